@@ -1,0 +1,30 @@
+# `make demo` and `make test` each build .venv on first use (torch pinned to the CPU 2.13.0 build).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/run_demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests examples bench
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_save.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

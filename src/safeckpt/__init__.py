@@ -1,0 +1,47 @@
+"""safeckpt: correct-by-construction, fast, pickle-free checkpoints for distributed PyTorch.
+
+Collective calls (every rank calls them identically): :func:`save`, :func:`load`, and the
+:class:`CheckpointManager` methods. Offline calls (no process group): :func:`verify`,
+:func:`read_state_dict`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._load import load
+from ._manifest import CheckpointInfo
+from ._offline import VerifyReport, read_state_dict, verify
+from ._save import save
+from .errors import (
+    CheckpointError,
+    CheckpointExists,
+    CheckpointLocked,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    RankFailure,
+    RankMismatch,
+    SafeckptWarning,
+)
+from .rng import RNGState
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointInfo",
+    "CheckpointLocked",
+    "CheckpointNotFound",
+    "CorruptCheckpoint",
+    "IncompatibleCheckpoint",
+    "RNGState",
+    "RankFailure",
+    "RankMismatch",
+    "SafeckptWarning",
+    "VerifyReport",
+    "__version__",
+    "load",
+    "read_state_dict",
+    "save",
+    "verify",
+]

@@ -1,0 +1,180 @@
+"""One collective load: open -> plan -> read.
+
+1. open  (coordinator)  read and validate the manifest; every rank gets the same copy, and
+                        ranks check they were called with the same path.
+2. plan  (all ranks)    match the target state against the checkpoint (keys, shapes, dtypes);
+                        on a strict load any mismatch raises IncompatibleCheckpoint on every
+                        rank before anything in memory is touched.
+3. read  (all ranks)    each rank reads only the chunks it needs, verifying checksums, copying
+                        into existing tensors in place; stateful objects get load_state_dict.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import MutableMapping
+from typing import Any
+
+from ._dist import Coordinator
+from ._manifest import CheckpointInfo
+from ._reader import TensorReader, open_manifest
+from ._tree import PER_RANK_ATTR, Leaf, decode, encode_object, kind_of, merge_into, tensor_keys, unwrap_module
+from .errors import IncompatibleCheckpoint, RankMismatch, SafeckptWarning
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: MutableMapping[str, Any],
+    *,
+    strict: bool = True,
+    timeout: float | None = None,
+    verify_checksums: bool = True,
+) -> CheckpointInfo:
+    """Load the checkpoint at ``path`` into ``state`` in place (collective).
+
+    With ``strict=False`` the intersection is loaded and the returned info's ``skipped`` lists
+    what was left out. ``verify_checksums=False`` skips checksum verification for speed.
+    """
+    target = os.path.abspath(os.fspath(path))
+    coord = Coordinator(timeout, what=f"load from {target}")
+
+    def _open() -> dict[str, Any]:
+        return {"path": target, "manifest": open_manifest(target) if coord.is_coordinator else None}
+
+    opened = coord.run("open", _open)
+    bad = [f"rank {r} was called with path {o['path']!r}" for r, o in enumerate(opened) if o["path"] != target]
+    if bad or any(o["path"] != opened[0]["path"] for o in opened):
+        raise RankMismatch(
+            f"load: ranks were called with different paths (rank 0: {opened[0]['path']!r}); "
+            + "; ".join(bad)
+        )
+    manifest = opened[0]["manifest"]
+    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums)
+    coord.run("plan", job.plan, hint="Nothing was loaded; the state is unchanged.")
+    coord.run("read", job.read)
+    return CheckpointInfo.from_manifest(target, manifest, skipped=tuple(job.skipped))
+
+
+class _LoadJob:
+    def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
+                 strict: bool, rank: int, verify: bool) -> None:
+        self.dir = ckpt_dir
+        self.man = man
+        self.state = state
+        self.strict = strict
+        self.rank = rank
+        self.reader = TensorReader(ckpt_dir, man, rank=rank, verify=verify)
+        self.skipped: list[str] = []
+        self.targets: dict[str, dict[str, Leaf]] = {}
+        self.trees: dict[str, Any] = {}
+
+    def _tree_for(self, name: str, value: Any) -> Any | None:
+        obj = self.man["objects"][name]
+        saved_world = int(self.man.get("world_size", 1))
+        per_rank = bool(getattr(value, PER_RANK_ATTR, False)) or any(
+            self.man["tensors"].get(k, {}).get("scope") == "per_rank" for k in tensor_keys(obj["tree"])
+        )
+        if per_rank and self.rank >= saved_world:
+            warnings.warn(
+                f"{name!r} is per-rank state saved by {saved_world} ranks; rank {self.rank} has no "
+                "saved copy and keeps its current state.", SafeckptWarning, stacklevel=4,
+            )
+            return None
+        if per_rank and saved_world != int(os.environ.get("WORLD_SIZE", saved_world)) and self.rank == 0:
+            warnings.warn(
+                f"{name!r} is per-rank state saved by {saved_world} ranks; ranks that exist in both "
+                "runs get their own saved copy.", SafeckptWarning, stacklevel=4,
+            )
+        return obj.get("rank_trees", {}).get(str(self.rank), obj["tree"])
+
+    def plan(self) -> None:
+        problems: list[str] = []
+        saved = self.man["objects"]
+        for name in saved:
+            if name not in self.state:
+                problems.append(f"unexpected entry {name!r} (in the checkpoint, not in state)")
+        for name, value in self.state.items():
+            if name not in saved:
+                problems.append(f"missing entry {name!r} (in state, not in the checkpoint)")
+                continue
+            tree = self._tree_for(name, value)
+            if tree is None:
+                continue
+            self.trees[name] = tree
+            kind = kind_of(value)
+            if kind == "stateful":
+                continue
+            leaves: list[Leaf] = []
+            encode_object(name, value, leaves)
+            have = {leaf.key: leaf for leaf in leaves}
+            stored = set(tensor_keys(tree))
+            for key in sorted(stored - set(have)):
+                problems.append(f"unexpected key {key!r}")
+            for key in sorted(set(have) - stored):
+                problems.append(f"missing key {key!r}")
+            matched = {}
+            for key in sorted(stored & set(have)):
+                rec = self.reader.record(key)
+                t = have[key].tensor
+                from ._manifest import dtype_code
+
+                if list(t.shape) != list(rec["shape"]) or dtype_code(t.dtype) != rec["dtype"]:
+                    problems.append(
+                        f"key {key!r}: checkpoint has {rec['dtype']}{rec['shape']}, "
+                        f"target has {dtype_code(t.dtype)}{list(t.shape)}"
+                    )
+                else:
+                    matched[key] = have[key]
+            self.targets[name] = matched
+        if problems and self.strict:
+            raise IncompatibleCheckpoint(
+                f"checkpoint {self.dir} does not fit the state (strict load):\n  "
+                + "\n  ".join(problems[:40])
+                + ("\n  ..." if len(problems) > 40 else "")
+                + "\nPass strict=False to load the entries that fit."
+            )
+        self.skipped = problems
+
+    def read(self) -> None:
+        try:
+            for name, tree in self.trees.items():
+                value = self.state[name]
+                kind = kind_of(value)
+                if kind == "stateful":
+                    sd = decode(tree, self.reader.new)
+                    try:
+                        value.load_state_dict(sd)
+                    except Exception as exc:
+                        raise IncompatibleCheckpoint(
+                            f"{name!r}.load_state_dict rejected the checkpoint's state: "
+                            f"{type(exc).__name__}: {exc}"
+                        ) from exc
+                    continue
+                matched = self.targets[name]
+                for key, leaf in matched.items():
+                    self.reader.fill(key, leaf.tensor)
+                if kind == "module":
+                    self._finish_module(name, value, matched)
+                elif kind == "tree":
+                    loaded = decode(tree, lambda k: matched[k].tensor if k in matched else self.reader.new(k))
+                    self.state[name] = merge_into(value, loaded)
+        finally:
+            self.reader.close()
+
+    def _finish_module(self, name: str, module: Any, matched: dict[str, Leaf]) -> None:
+        """Tensors were filled in place; call load_state_dict only if they do not alias the module."""
+        inner = unwrap_module(module)
+        live = {
+            (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+            for t in [*inner.parameters(), *inner.buffers()]
+        }
+        if all(
+            (leaf.tensor.to_local() if hasattr(leaf.tensor, "to_local") else leaf.tensor).data_ptr() in live
+            or leaf.tensor.numel() == 0
+            for leaf in matched.values()
+        ):
+            return
+        prefix = name + "/"
+        sd = {k[len(prefix):]: leaf.tensor for k, leaf in matched.items()}
+        inner.load_state_dict(sd, strict=self.strict)

@@ -1,0 +1,357 @@
+"""One collective save: agree -> stage -> write -> commit.
+
+Call sequence (every step is a Coordinator phase, so a failure anywhere is reported on every
+rank and no rank waits forever):
+
+1. agree   (all ranks)    encode the state; exchange path, step, layout hash, shard boxes and,
+                          optionally, replica digests; mismatch -> RankMismatch, nothing written.
+2. stage   (coordinator)  check the target, create a fresh staging directory next to it.
+3. write   (all ranks)    write this rank's file (its share of replicated bytes, its shards, its
+                          per-rank state) with checksums, fsync; report sizes and hashes.
+4. commit  (coordinator)  check every file's size, write the manifest, publish atomically.
+
+On any failure the coordinator deletes the staging directory after all ranks have reported; the
+previous checkpoint at the path is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+import xxhash
+
+from . import __version__
+from ._commit import is_committed, new_staging_dir, publish, remove_tree, write_json_atomic
+from ._dist import Coordinator
+from ._manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, dtype_code, rank_file
+from ._plan import plan_replicated
+from ._shardfile import tensor_bytes, write_file
+from ._reader import local_box as _local_box
+from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp
+from .errors import CheckpointError, CheckpointExists, RankMismatch
+
+CHECK_REPLICAS = ("auto", "error", "warn", "off")
+
+
+def save(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    timeout: float | None = None,
+    step: int | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    check_replicas: str = "auto",
+) -> CheckpointInfo:
+    """Save ``state`` to the directory ``path`` (collective: every rank calls it identically).
+
+    The checkpoint appears atomically and complete, or not at all. ``check_replicas`` controls
+    the check that replicated tensors are identical on every rank: ``"auto"`` (error when a
+    DDP-wrapped module is in ``state``, else off), ``"error"``, ``"warn"`` or ``"off"``.
+    """
+    if check_replicas not in CHECK_REPLICAS:
+        raise ValueError(f"check_replicas must be one of {CHECK_REPLICAS}, got {check_replicas!r}")
+    target = os.path.abspath(os.fspath(path))
+    coord = Coordinator(timeout, what=f"save to {target}")
+    job = _SaveJob(coord, target, state, metadata, overwrite, step, metrics, check_replicas)
+    return job.run()
+
+
+class _SaveJob:
+    def __init__(self, coord: Coordinator, target: str, state: Mapping[str, Any], metadata: Any,
+                 overwrite: bool, step: int | None, metrics: Any, check_replicas: str) -> None:
+        self.coord = coord
+        self.target = target
+        self.state = state
+        self.metadata = dict(metadata or {})
+        self.metrics = dict(metrics or {})
+        self.overwrite = overwrite
+        self.step = step
+        self.check_replicas = check_replicas
+        self.objects: list[EncodedObject] = []
+        self.leaves: dict[str, Leaf] = {}
+
+    # ------------------------------------------------------------------ phases
+    def run(self) -> CheckpointInfo:
+        agreed = self.coord.run("agree", self._agree, hint="Nothing was written.")
+        self._check_agreement(agreed)
+        staging = self.coord.run("stage", self._stage, hint="Nothing was written.")[0]
+        try:
+            written = self.coord.run(
+                "write", lambda: self._write(staging, agreed),
+                hint="No checkpoint was published; the previous one (if any) is intact.",
+            )
+            info = self.coord.run(
+                "commit", lambda: self._commit(staging, written),
+                hint="No checkpoint was published; the previous one (if any) is intact.",
+            )[0]
+        except BaseException:
+            if self.coord.is_coordinator:
+                remove_tree(staging)
+            raise
+        return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
+
+    def _agree(self) -> dict[str, Any]:
+        if not isinstance(self.state, Mapping):
+            raise TypeError(f"state must be a dict of name -> value, got {type(self.state).__name__}")
+        json.dumps(self.metadata)  # fail early on non-JSON metadata
+        json.dumps(self.metrics)
+        leaves: list[Leaf] = []
+        self.objects = [encode_object(check_name(k), v, leaves) for k, v in self.state.items()]
+        for leaf in leaves:
+            if leaf.key in self.leaves:
+                raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
+            dtype_code(leaf.tensor.dtype)
+            self.leaves[leaf.key] = leaf
+        layout = self._layout()
+        boxes = {
+            k: _local_box(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "sharded"
+        }
+        return {
+            "path": self.target,
+            "step": self.step,
+            "overwrite": self.overwrite,
+            "layout_hash": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+            "boxes": boxes,
+            "digests": self._replica_digests() if self._replica_mode() != "off" else None,
+        }
+
+    def _layout(self) -> list[Any]:
+        objs = [[o.name, o.kind] for o in self.objects]
+        tensors = [
+            [k, dtype_code(leaf.tensor.dtype), list(leaf.tensor.shape), leaf.scope]
+            for k, leaf in sorted(self.leaves.items())
+        ]
+        return [objs, tensors]
+
+    def _replica_mode(self) -> str:
+        if self.check_replicas != "auto":
+            return self.check_replicas
+        return "error" if any(is_wrapped_ddp(v) for v in self.state.values()) else "off"
+
+    def _replica_digests(self) -> dict[str, str]:
+        return {
+            k: xxhash.xxh3_64_hexdigest(tensor_bytes(leaf.tensor))
+            for k, leaf in self.leaves.items()
+            if leaf.scope == "replicated"
+        }
+
+    def _check_agreement(self, agreed: list[dict[str, Any]]) -> None:
+        ref = agreed[0]
+        problems = []
+        for field in ("path", "step", "overwrite"):
+            for r, a in enumerate(agreed):
+                if a[field] != ref[field]:
+                    problems.append(f"rank {r} was called with {field}={a[field]!r} but rank 0 with {ref[field]!r}")
+        if not problems and any(a["layout_hash"] != ref["layout_hash"] for a in agreed):
+            layouts = self.coord.run("describe-layout", self._layout)
+            problems += _layout_differences(layouts)
+        if problems:
+            raise RankMismatch(
+                f"save to {self.target}: ranks disagree, nothing was written:\n  "
+                + "\n  ".join(problems[:20])
+                + "\nEvery rank must call save() with the same path/step and the same state "
+                "structure (compute paths on one rank, or from the step, not from a clock)."
+            )
+        mode = self._replica_mode()
+        if mode != "off" and ref["digests"] is not None:
+            bad = sorted({
+                f"rank {r}: {k}"
+                for r, a in enumerate(agreed)
+                for k, d in (a["digests"] or {}).items()
+                if ref["digests"].get(k) != d
+            })
+            if bad:
+                msg = (
+                    f"save to {self.target}: replicated tensors differ from rank 0's on "
+                    + "; ".join(bad[:10])
+                    + ". DDP replicas have diverged (e.g. different init seeds or a rank-local "
+                    "update). Pass check_replicas='off' if they are meant to differ."
+                )
+                if mode == "error":
+                    raise RankMismatch(msg)
+                import warnings
+
+                from .errors import SafeckptWarning
+
+                warnings.warn(msg, SafeckptWarning, stacklevel=3)
+        self.boxes = [a["boxes"] for a in agreed]
+
+    def _stage(self) -> str | None:
+        if not self.coord.is_coordinator:
+            return None
+        parent = os.path.dirname(self.target)
+        os.makedirs(parent, exist_ok=True)
+        if os.path.lexists(self.target):
+            if not self.overwrite:
+                raise CheckpointExists(
+                    f"{self.target} already exists. Pass overwrite=True to replace it atomically, "
+                    "or save under a new name (CheckpointManager names steps for you)."
+                )
+            if not os.path.isdir(self.target) or (
+                os.listdir(self.target) and not is_committed(self.target)
+            ):
+                raise CheckpointExists(
+                    f"{self.target} exists and is not a safeckpt checkpoint; refusing to replace "
+                    "it even with overwrite=True. Move it away or choose another path."
+                )
+        return new_staging_dir(self.target)
+
+    def _write(self, staging: str, agreed: list[dict[str, Any]]) -> dict[str, Any]:
+        rank, world = self.coord.rank, self.coord.world_size
+        items: list[tuple[str, torch.Tensor]] = []
+        records: list[dict[str, Any]] = []
+
+        specs = [
+            (k, list(leaf.tensor.shape), leaf.tensor.element_size())
+            for k, leaf in sorted(self.leaves.items())
+            if leaf.scope == "replicated"
+        ]
+        for piece in plan_replicated(specs, world):
+            if piece.rank != rank:
+                continue
+            t = self.leaves[piece.key].tensor
+            shape = list(t.shape)
+            if shape and (piece.row_start, piece.rows) != (0, shape[0]):
+                t = t.narrow(0, piece.row_start, piece.rows)
+                name = f"{piece.key}@{piece.row_start}"
+            else:
+                name = piece.key
+            offsets = [piece.row_start] + [0] * (len(shape) - 1) if shape else []
+            items.append((name, t))
+            records.append({"key": piece.key, "name": name, "offsets": offsets, "sizes": list(t.shape)})
+
+        for k, leaf in sorted(self.leaves.items()):
+            if leaf.scope == "per_rank":
+                items.append((k, leaf.tensor))
+                records.append({"key": k, "name": k, "offsets": [0] * leaf.tensor.dim(),
+                                "sizes": list(leaf.tensor.shape), "rank": rank})
+            elif leaf.scope == "sharded":
+                box = self.boxes[rank][k]
+                owner = min(r for r in range(world) if self.boxes[r][k] == box)
+                if owner != rank or 0 in box[1]:
+                    continue  # another rank writes this replica of the shard, or it is empty
+                name = f"{k}@" + ",".join(map(str, box[0]))
+                items.append((name, leaf.tensor.to_local()))
+                records.append({"key": k, "name": name, "offsets": box[0], "sizes": box[1]})
+
+        fname = rank_file(rank)
+        written = _retry_missing_dir(lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}))
+        by_name = {c.name: c for c in written.chunks}
+        for rec in records:
+            c = by_name[rec.pop("name")]
+            rec.update(file=fname, start=c.start, end=c.end, xxh3_64=c.xxh3_64)
+        return {
+            "file": fname,
+            "size": written.size,
+            "xxh3_128": written.xxh3_128,
+            "chunks": records,
+            "objects": {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects},
+        }
+
+    def _commit(self, staging: str, written: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not self.coord.is_coordinator:
+            return None
+        files: dict[str, Any] = {}
+        for r, w in enumerate(written):
+            actual = os.stat(os.path.join(staging, w["file"])).st_size
+            if actual != w["size"]:
+                raise CheckpointError(
+                    f"rank {r}'s file {w['file']} has {actual} bytes on disk but rank {r} wrote "
+                    f"{w['size']}: the filesystem lost data (is {staging} shared by all ranks?)"
+                )
+            files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
+        tensors: dict[str, Any] = {}
+        for k, leaf in sorted(self.leaves.items()):
+            tensors[k] = {
+                "dtype": dtype_code(leaf.tensor.dtype),
+                "shape": list(leaf.tensor.shape),
+                "scope": leaf.scope,
+                "chunks": [],
+            }
+        for r, w in enumerate(written):
+            for ch in w["chunks"]:
+                ch = dict(ch)
+                tensors[ch.pop("key")]["chunks"].append(ch)
+        for rec in tensors.values():
+            rec["chunks"].sort(key=lambda c: (c.get("rank", 0), c["offsets"]))
+        objects: dict[str, Any] = {}
+        for name, obj in written[0]["objects"].items():
+            objects[name] = dict(obj)
+            others = {
+                str(r): w["objects"][name]["tree"]
+                for r, w in enumerate(written)
+                if r and w["objects"][name]["tree"] != obj["tree"]
+            }
+            if others:
+                objects[name]["rank_trees"] = others
+        now = time.time()
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "world_size": self.coord.world_size,
+            "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "created_unix": now,
+            "safeckpt_version": __version__,
+            "torch_version": torch.__version__,
+            "metadata": self.metadata,
+            "metrics": self.metrics,
+            "files": files,
+            "objects": objects,
+            "tensors": tensors,
+        }
+        write_json_atomic(os.path.join(staging, MANIFEST), manifest)
+        try:
+            publish(staging, self.target, replace=self.overwrite)
+        except FileExistsError:
+            raise CheckpointExists(
+                f"{self.target} appeared while saving (another job writing the same path?); "
+                "nothing was replaced."
+            ) from None
+        return {
+            "path": self.target,
+            "step": self.step,
+            "world_size": self.coord.world_size,
+            "created_at": manifest["created_at"],
+            "nbytes": sum(f["size"] for f in files.values()),
+        }
+
+
+def _layout_differences(layouts: list[Any]) -> list[str]:
+    out = []
+    ref_objs, ref_tensors = layouts[0]
+    ref_map = {t[0]: t[1:] for t in ref_tensors}
+    for r, (objs, tensors) in enumerate(layouts[1:], start=1):
+        if objs != ref_objs:
+            out.append(f"rank {r} has state entries {objs} but rank 0 has {ref_objs}")
+            continue
+        mine = {t[0]: t[1:] for t in tensors}
+        for k in sorted(set(mine) | set(ref_map)):
+            if k not in ref_map:
+                out.append(f"rank {r} has tensor {k!r} that rank 0 lacks")
+            elif k not in mine:
+                out.append(f"rank {r} lacks tensor {k!r} that rank 0 has")
+            elif mine[k] != ref_map[k]:
+                out.append(f"tensor {k!r} is {mine[k][:2]} on rank {r} but {ref_map[k][:2]} on rank 0")
+    return out
+
+
+def _retry_missing_dir(fn: Any, attempts: int = 50) -> Any:
+    """Retry while the staging directory is not yet visible here (NFS attribute caches)."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except FileNotFoundError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.1)
+

@@ -1,0 +1,206 @@
+"""Turn a user's ``state`` dict into JSON trees plus tensor leaves, and back.
+
+Each top-level entry becomes an *object* of one kind:
+
+- ``module``   an ``nn.Module`` (DDP / ``torch.compile`` wrappers are unwrapped, so a checkpoint
+               from a wrapped model loads into the plain one and back); loaded in place.
+- ``stateful`` anything with ``state_dict``/``load_state_dict`` (optimizers, schedulers,
+               GradScaler, RNGState, user objects); loaded through ``load_state_dict``.
+- ``tensor``   a tensor; copied into in place.
+- ``tree``     nested dicts/lists of JSON values and tensors; tensors copied in place, plain
+               values replaced.
+
+A tree is JSON with three tags, so that no information is lost and nothing needs pickle:
+``{"@tensor": key}``, ``{"@tuple": [...]}`` and ``{"@dict": [[key, value], ...]}`` (for dicts
+whose keys are not all strings, e.g. optimizer state keyed by int). Tensor keys are the path
+components joined with ``/`` (``model/layer.weight``, ``optim/state/0/exp_avg``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError
+
+SEP = "/"
+PER_RANK_ATTR = "__safeckpt_per_rank__"
+
+try:  # DTensor is optional in old torch builds
+    from torch.distributed.tensor import DTensor
+except Exception:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+@dataclass
+class Leaf:
+    """One tensor of the state: where it lives in the tree and how it is shared across ranks."""
+
+    key: str
+    tensor: torch.Tensor
+    scope: str  # "replicated" | "per_rank" | "sharded"
+
+
+@dataclass
+class EncodedObject:
+    name: str
+    kind: str
+    tree: Any
+
+
+def is_dtensor(t: Any) -> bool:
+    return bool(DTensor) and isinstance(t, DTensor)
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """Strip DDP/DataParallel and torch.compile wrappers so keys carry no prefixes."""
+    while True:
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def is_wrapped_ddp(value: Any) -> bool:
+    seen = value
+    while True:
+        if isinstance(seen, nn.parallel.DistributedDataParallel):
+            return True
+        inner = getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        seen = inner
+
+
+def is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def kind_of(value: Any) -> str:
+    if isinstance(value, nn.Module):
+        return "module"
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if is_stateful(value):
+        return "stateful"
+    return "tree"
+
+
+def state_dict_of(kind: str, value: Any) -> Any:
+    if kind == "module":
+        return unwrap_module(value).state_dict()
+    if kind == "stateful":
+        return value.state_dict()
+    return value
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or SEP in name or name.startswith("@"):
+        raise CheckpointError(
+            f"state keys must be non-empty strings without '/' or a leading '@', got {name!r}"
+        )
+    return name
+
+
+def encode_object(name: str, value: Any, leaves: list[Leaf]) -> EncodedObject:
+    """Encode one top-level entry, appending its tensors to ``leaves``."""
+    kind = kind_of(value)
+    per_rank = bool(getattr(value, PER_RANK_ATTR, False))
+    tree = _encode(state_dict_of(kind, value), [name], leaves, per_rank)
+    return EncodedObject(name, kind, tree)
+
+
+def _encode(value: Any, path: list[str], leaves: list[Leaf], per_rank: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        key = SEP.join(path)
+        scope = "sharded" if is_dtensor(value) else ("per_rank" if per_rank else "replicated")
+        leaves.append(Leaf(key, value.detach(), scope))
+        return {"@tensor": key}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("@") for k in value):
+            return {k: _encode(v, [*path, k], leaves, per_rank) for k, v in value.items()}
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise _unsupported(k, path, "dict key")
+            items.append([k, _encode(v, [*path, str(k)], leaves, per_rank)])
+        return {"@dict": items}
+    if isinstance(value, tuple):  # includes torch.Size and namedtuples (restored as tuples)
+        return {"@tuple": [_encode(v, [*path, str(i)], leaves, per_rank) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, [*path, str(i)], leaves, per_rank) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"@float": repr(value)}
+    if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():
+        return _encode(value.item(), path, leaves, per_rank)  # numpy scalar
+    if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+        return _encode(torch.from_numpy(value.copy()), path, leaves, per_rank)
+    raise _unsupported(value, path, "value")
+
+
+def _unsupported(value: Any, path: list[str], what: str) -> CheckpointError:
+    return CheckpointError(
+        f"cannot checkpoint {what} of type {type(value).__name__} at {SEP.join(path)!r} without "
+        "pickle. Store tensors, JSON values (numbers, strings, bools, None, lists, dicts), or "
+        "an object with state_dict()/load_state_dict() that returns those."
+    )
+
+
+def decode(tree: Any, tensor_for: Callable[[str], torch.Tensor]) -> Any:
+    """Rebuild Python values from a tree; ``tensor_for(key)`` supplies each tensor."""
+    if isinstance(tree, list):
+        return [decode(v, tensor_for) for v in tree]
+    if isinstance(tree, dict):
+        if "@tensor" in tree:
+            return tensor_for(tree["@tensor"])
+        if "@tuple" in tree:
+            return tuple(decode(v, tensor_for) for v in tree["@tuple"])
+        if "@dict" in tree:
+            return {k: decode(v, tensor_for) for k, v in tree["@dict"]}
+        if "@float" in tree:
+            return float(tree["@float"])
+        return {k: decode(v, tensor_for) for k, v in tree.items()}
+    return tree
+
+
+def tensor_keys(tree: Any) -> Iterator[str]:
+    if isinstance(tree, list):
+        for v in tree:
+            yield from tensor_keys(v)
+    elif isinstance(tree, dict):
+        if "@tensor" in tree:
+            yield tree["@tensor"]
+        elif "@tuple" in tree:
+            yield from tensor_keys(tree["@tuple"])
+        elif "@dict" in tree:
+            for _, v in tree["@dict"]:
+                yield from tensor_keys(v)
+        else:
+            for v in tree.values():
+                yield from tensor_keys(v)
+
+
+def merge_into(target: Any, loaded: Any) -> Any:
+    """Update ``target`` with ``loaded`` keeping containers (and tensors filled in place)."""
+    if loaded is target:
+        return target
+    if isinstance(target, dict) and isinstance(loaded, dict):
+        for k, v in loaded.items():
+            target[k] = merge_into(target[k], v) if k in target else v
+        return target
+    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        for i, v in enumerate(loaded):
+            target[i] = merge_into(target[i], v)
+        return target
+    return loaded
