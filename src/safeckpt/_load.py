@@ -19,7 +19,16 @@ from typing import Any
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
 from ._reader import TensorReader, open_manifest
-from ._tree import PER_RANK_ATTR, Leaf, decode, encode_object, kind_of, merge_into, tensor_keys, unwrap_module
+from ._tree import (
+    PER_RANK_ATTR,
+    Leaf,
+    decode,
+    encode_object,
+    kind_of,
+    merge_into,
+    tensor_keys,
+    unwrap_module,
+)
 from .errors import IncompatibleCheckpoint, RankMismatch, SafeckptWarning
 
 
@@ -157,7 +166,7 @@ class _LoadJob:
                 if kind == "module":
                     self._finish_module(name, value, matched)
                 elif kind == "tree":
-                    loaded = decode(tree, lambda k: matched[k].tensor if k in matched else self.reader.new(k))
+                    loaded = decode(tree, lambda k, m=matched: m[k].tensor if k in m else self.reader.new(k))
                     self.state[name] = merge_into(value, loaded)
         finally:
             self.reader.close()

@@ -32,8 +32,8 @@ from ._commit import is_committed, new_staging_dir, publish, remove_tree, write_
 from ._dist import Coordinator
 from ._manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, dtype_code, rank_file
 from ._plan import plan_replicated
-from ._shardfile import tensor_bytes, write_file
 from ._reader import local_box as _local_box
+from ._shardfile import tensor_bytes, write_file
 from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp
 from .errors import CheckpointError, CheckpointExists, RankMismatch
 
@@ -277,7 +277,7 @@ class _SaveJob:
                 "scope": leaf.scope,
                 "chunks": [],
             }
-        for r, w in enumerate(written):
+        for w in written:
             for ch in w["chunks"]:
                 ch = dict(ch)
                 tensors[ch.pop("key")]["chunks"].append(ch)
