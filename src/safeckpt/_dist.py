@@ -171,7 +171,18 @@ class Coordinator:
         return RankFailure(text, {r: _one_line(failures[r]) for r in ranks})
 
     # --------------------------------------------------------------- transport
+    def any_true(self, flag: bool, phase: str = "flag") -> bool:
+        """True on every rank if ``flag`` is true on any rank (one tiny all-reduce)."""
+        if self.world_size == 1:
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+        return bool(t.item())
+
     def _exchange(self, phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        return self._transport(phase, lambda group: self._all_gather_json(payload, group))
+
+    def _transport(self, phase: str, op: Callable[[Any], Any]) -> Any:
         state = self._state
         assert state is not None
         if state.broken:
@@ -184,7 +195,7 @@ class Coordinator:
         marker = f"safeckpt/{state.uid}/{state.seq}"
         self._mark_arrival(marker)
         try:
-            return self._all_gather_json(payload, state.group)
+            return op(state.group)
         except Exception as exc:  # transport failure: dead, hung or absent peer
             missing = self._missing_ranks(marker)
             state.broken = f"{phase!r}: {str(exc).splitlines()[0][:200]}"

@@ -78,15 +78,52 @@ class _SaveJob:
         self.check_replicas = check_replicas
         self.objects: list[EncodedObject] = []
         self.leaves: dict[str, Leaf] = {}
+        self.tensor_table: dict[str, dict[str, Any]] = {}
+        self.items: list[tuple[str, torch.Tensor]] = []
+        self.records: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
+        self.agree()
+        return self.finish()
+
+    def agree(self) -> None:
+        """Phase 1 (all ranks): encode, check agreement, and fix this rank's write items."""
         agreed = self.coord.run("agree", self._agree, hint="Nothing was written.")
         self._check_agreement(agreed)
+        self.items, self.records = self._my_items()
+        self.tensor_table = {
+            k: {"dtype": dtype_code(leaf.tensor.dtype), "shape": list(leaf.tensor.shape), "scope": leaf.scope}
+            for k, leaf in sorted(self.leaves.items())
+        }
+
+    def snapshot(self, pool: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
+        caller may change the live state while the rest of the save runs in the background."""
+        copies = []
+        for name, t in self.items:
+            src = t.to_local() if hasattr(t, "to_local") else t
+            buf = pool.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
+                pool[name] = buf
+            buf.copy_(src, non_blocking=True)
+            copies.append((name, buf))
+        for name in list(pool):
+            if name not in {n for n, _ in self.items}:
+                del pool[name]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.items = copies
+        self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
+        self.state = {}
+
+    def finish(self) -> CheckpointInfo:
+        """Phases 2-4: stage (coordinator), write (all ranks), commit (coordinator)."""
         staging = self.coord.run("stage", self._stage, hint="Nothing was written.")[0]
         try:
             written = self.coord.run(
-                "write", lambda: self._write(staging, agreed),
+                "write", lambda: self._write(staging),
                 hint="No checkpoint was published; the previous one (if any) is intact.",
             )
             info = self.coord.run(
@@ -94,7 +131,7 @@ class _SaveJob:
                 hint="No checkpoint was published; the previous one (if any) is intact.",
             )[0]
         except BaseException:
-            if self.coord.is_coordinator:
+            if self.coord.is_coordinator and staging:
                 remove_tree(staging)
             raise
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
@@ -205,11 +242,11 @@ class _SaveJob:
                 )
         return new_staging_dir(self.target)
 
-    def _write(self, staging: str, agreed: list[dict[str, Any]]) -> dict[str, Any]:
+    def _my_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
+        """What this rank writes: (name in file, tensor) plus a manifest record for each."""
         rank, world = self.coord.rank, self.coord.world_size
         items: list[tuple[str, torch.Tensor]] = []
         records: list[dict[str, Any]] = []
-
         specs = [
             (k, list(leaf.tensor.shape), leaf.tensor.element_size())
             for k, leaf in sorted(self.leaves.items())
@@ -243,6 +280,11 @@ class _SaveJob:
                 items.append((name, leaf.tensor.to_local()))
                 records.append({"key": k, "name": name, "offsets": box[0], "sizes": box[1]})
 
+        return items, records
+
+    def _write(self, staging: str) -> dict[str, Any]:
+        rank = self.coord.rank
+        items, records = self.items, [dict(r) for r in self.records]
         fname = rank_file(rank)
         written = _retry_missing_dir(lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}))
         by_name = {c.name: c for c in written.chunks}
@@ -269,14 +311,7 @@ class _SaveJob:
                     f"{w['size']}: the filesystem lost data (is {staging} shared by all ranks?)"
                 )
             files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
-        tensors: dict[str, Any] = {}
-        for k, leaf in sorted(self.leaves.items()):
-            tensors[k] = {
-                "dtype": dtype_code(leaf.tensor.dtype),
-                "shape": list(leaf.tensor.shape),
-                "scope": leaf.scope,
-                "chunks": [],
-            }
+        tensors: dict[str, Any] = {k: {**rec, "chunks": []} for k, rec in self.tensor_table.items()}
         for w in written:
             for ch in w["chunks"]:
                 ch = dict(ch)
