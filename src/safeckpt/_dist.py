@@ -61,6 +61,7 @@ class _GroupState:
 
 _GROUPS: dict[tuple[int, float, str], tuple[weakref.ref, _GroupState]] = {}
 _GROUP_COUNTER = [0]
+_GROUP_ATTEMPTS = [0]  # Coordinator constructions on this rank (same count on every rank)
 
 
 def _group_alive(group: Any) -> bool:
@@ -116,7 +117,15 @@ class Coordinator:
             self.rank, self.world_size = 0, 1
         self._state: _GroupState | None = None
         if self.world_size > 1:
-            self._state = _get_group(self.timeout, purpose)
+            # Creating the group is itself a collective (through the store): a rank that never
+            # arrives must give RankFailure within the timeout, like any later phase.
+            _GROUP_ATTEMPTS[0] += 1
+            marker = f"safeckpt/group-{_GROUP_ATTEMPTS[0]}"
+            self._mark_arrival(marker)
+            try:
+                self._state = _get_group(self.timeout, purpose)
+            except Exception as exc:
+                raise self._lost_peers("setup", marker, exc) from exc
 
     @property
     def is_coordinator(self) -> bool:
@@ -197,25 +206,29 @@ class Coordinator:
         try:
             return op(state.group)
         except Exception as exc:  # transport failure: dead, hung or absent peer
-            missing = self._missing_ranks(marker)
             state.broken = f"{phase!r}: {str(exc).splitlines()[0][:200]}"
-            if missing:
-                who = ", ".join(map(str, missing))
-                text = (
-                    f"{self.what} failed: rank(s) {who} (of {self.world_size}) did not reach "
-                    f"phase {phase!r} within {self.timeout:.0f}s: the process died, hung, or "
-                    "raised outside safeckpt. Check that rank's log. No checkpoint was "
-                    "published by this call; the previous one is intact."
-                )
-                failures = {r: f"did not reach {phase!r} (died or hung)" for r in missing}
-            else:
-                text = (
-                    f"{self.what} failed during {phase!r}: lost contact with a peer rank "
-                    f"({str(exc).splitlines()[0][:300]}). No checkpoint was published by this "
-                    "call; the previous one is intact."
-                )
-                failures = {}
-            raise RankFailure(text, failures) from exc
+            raise self._lost_peers(phase, marker, exc) from exc
+
+    def _lost_peers(self, phase: str, marker: str, exc: BaseException) -> RankFailure:
+        """The RankFailure for a transport failure: names the ranks that never reached ``marker``."""
+        missing = self._missing_ranks(marker)
+        if missing:
+            who = ", ".join(map(str, missing))
+            text = (
+                f"{self.what} failed: rank(s) {who} (of {self.world_size}) did not reach "
+                f"phase {phase!r} within {self.timeout:.0f}s: the process died, hung, or "
+                "raised outside safeckpt. Check that rank's log. No checkpoint was "
+                "published by this call; the previous one is intact."
+            )
+            failures = {r: f"did not reach {phase!r} (died or hung)" for r in missing}
+        else:
+            text = (
+                f"{self.what} failed during {phase!r}: lost contact with a peer rank "
+                f"({str(exc).splitlines()[0][:300]}). No checkpoint was published by this "
+                "call; the previous one is intact."
+            )
+            failures = {}
+        return RankFailure(text, failures)
 
     def _mark_arrival(self, marker: str) -> None:
         try:
