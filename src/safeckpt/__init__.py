@@ -24,6 +24,8 @@ from .errors import (
     RankMismatch,
     SafeckptWarning,
 )
+from .manager import CheckpointManager
+from .retention import RetentionPolicy
 from .rng import RNGState
 
 __all__ = [
@@ -31,12 +33,14 @@ __all__ = [
     "CheckpointExists",
     "CheckpointInfo",
     "CheckpointLocked",
+    "CheckpointManager",
     "CheckpointNotFound",
     "CorruptCheckpoint",
     "IncompatibleCheckpoint",
     "RNGState",
     "RankFailure",
     "RankMismatch",
+    "RetentionPolicy",
     "SafeckptWarning",
     "VerifyReport",
     "__version__",

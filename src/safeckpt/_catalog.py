@@ -1,0 +1,81 @@
+"""What is under a checkpoint root: committed steps, leftovers, and things we do not own.
+
+Read-only and lock-free: any process may scan a root at any time. A directory counts as a
+committed checkpoint only if its name is a step name and it holds a valid manifest; publication
+is one atomic rename, so a reader never sees a partial one. Staging and trash directories are
+hidden (leading dot) and recognised by their markers; anything else is *foreign* and is never
+touched by retention or gc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo, read_manifest
+from .errors import CheckpointError
+
+STEP_PREFIX = "step-"
+_STEP_RE = re.compile(r"^step-(\d{10,})$")
+_LEFTOVER_RE = re.compile(r"^\.(.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(TRASH_MARK) + r")[0-9a-f]+$")
+
+
+def step_dirname(step: int) -> str:
+    """Zero-padded so names sort like numbers: ``step-0000001200``."""
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One directory under a root and what we make of it."""
+
+    name: str
+    path: str
+    status: str  # "committed" | "staging" | "trash" | "incomplete" | "corrupt"
+    step: int | None
+    info: CheckpointInfo | None = None
+    problem: str = ""
+
+
+def scan(root: str) -> list[Entry]:
+    """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out: list[Entry] = []
+    for name in sorted(names):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        leftover = _LEFTOVER_RE.match(name)
+        if leftover:
+            kind = "staging" if leftover.group(2) == STAGING_MARK else "trash"
+            out.append(Entry(name, path, kind, parse_step(leftover.group(1))))
+            continue
+        step = parse_step(name)
+        if step is None:
+            continue  # foreign: not ours, never touched
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            out.append(Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}"))
+            continue
+        try:
+            man = read_manifest(path)
+        except FileNotFoundError:
+            continue  # deleted while we looked
+        except (CheckpointError, OSError) as exc:
+            out.append(Entry(name, path, "corrupt", step, problem=str(exc)))
+            continue
+        out.append(Entry(name, path, "committed", step, CheckpointInfo.from_manifest(path, man)))
+    out.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
+    return out
+
+
+def committed(root: str) -> list[Entry]:
+    return [e for e in scan(root) if e.status == "committed"]

@@ -1,0 +1,249 @@
+"""CheckpointManager: the one object a training loop holds.
+
+One directory per step (``step-0000001200``) under ``root``. Collective methods (every rank
+calls them at the same point): ``save``, ``restore``, ``wait``, ``close``, ``preempted``.
+Read-only methods (any process, no lock, no process group): ``list``, ``latest``.
+
+Every decision taken from the filesystem (which step is newest, what retention deletes, which
+leftovers to sweep) is taken on the coordinator and shared, never by each rank on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+from ._async import AsyncSaver
+from ._catalog import committed, scan, step_dirname
+from ._commit import remove_tree
+from ._dist import Coordinator, resolve_timeout
+from ._load import load
+from ._lock import DEFAULT_LEASE, RootLock
+from ._manifest import CheckpointInfo
+from ._offline import verify
+from ._preempt import PreemptionWatcher
+from ._save import _SaveJob
+from .errors import CheckpointNotFound, CorruptCheckpoint, SafeckptWarning
+from .retention import RetentionPolicy
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class CheckpointManager:
+    """Save, restore, retain and list checkpoints of one training job under ``root``.
+
+    Args:
+        root: local or shared-filesystem directory.
+        keep_last: keep the newest N checkpoints (None keeps all).
+        keep_best, best_metric, best_mode: also keep the N best by a metric passed to save().
+        keep_every: also keep every checkpoint whose step is divisible by this.
+        async_save: save() returns once the state is copied aside; writing and committing
+            happen in the background (see ``wait``).
+        timeout: seconds any rank waits for the others (default 600 or $SAFECKPT_TIMEOUT).
+        preemption_signals: signals that set ``preempted`` (default SIGTERM, SIGUSR1); () to
+            leave signal handling alone.
+        lease: seconds after its last heartbeat that a crashed writer's lock expires.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep_last: int | None = 3,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        keep_every: int | None = None,
+        async_save: bool = False,
+        timeout: float | None = None,
+        *,
+        preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
+        lease: float = DEFAULT_LEASE,
+    ) -> None:
+        root_str = os.fspath(root)
+        if "://" in root_str and not root_str.startswith("file://"):
+            raise NotImplementedError(
+                f"remote roots ({root_str}) are not supported yet; use a local or shared-filesystem "
+                "directory (NFS/Lustre/GPFS mounts work)."
+            )
+        self.root = os.path.abspath(root_str.removeprefix("file://"))
+        self.policy = RetentionPolicy(keep_last, keep_best, best_metric, best_mode, keep_every)
+        self.timeout = resolve_timeout(timeout)
+        self.async_save = bool(async_save)
+        self._saver = AsyncSaver() if async_save else None
+        self._pool: dict[str, Any] = {}
+        self._lock = RootLock(self.root, lease=lease)
+        self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
+        self._preempted = False
+        self._restored: int | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
+
+    # ----------------------------------------------------------- read-only
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints under root, oldest first (reads manifests; no lock)."""
+        return [e.info for e in committed(self.root) if e.info is not None]
+
+    def latest(self) -> CheckpointInfo | None:
+        found = self.list()
+        return found[-1] if found else None
+
+    # ----------------------------------------------------------- collective
+    def _coord(self, purpose: str = "main", what: str = "checkpoint") -> Coordinator:
+        return Coordinator(self.timeout, purpose=purpose, what=what)
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+        """Load the newest committed checkpoint that loads cleanly (or ``step``) into ``state``.
+
+        Returns its step, or None when the root holds no checkpoint (a fresh run). A checkpoint
+        that fails verification is skipped with a warning naming the reason, on every rank
+        together; if every one fails, CorruptCheckpoint is raised rather than starting fresh.
+        """
+        self._check_open()
+        self.wait()
+        coord = self._coord(what=f"restore from {self.root}")
+        picked = coord.run("pick", lambda: self._pick(step, coord.is_coordinator))[0]
+        for note in picked["warnings"]:
+            warnings.warn(note, SafeckptWarning, stacklevel=2)
+        if step is not None and not picked["candidates"]:
+            raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
+        reasons = []
+        for cand_step, path in picked["candidates"]:
+            try:
+                load(path, state, strict=strict, timeout=self.timeout)
+            except CorruptCheckpoint as exc:
+                reasons.append(f"step {cand_step}: {exc}")
+                warnings.warn(
+                    f"checkpoint step {cand_step} at {path} is corrupt, falling back to an older "
+                    f"one: {exc}", SafeckptWarning, stacklevel=2,
+                )
+                continue
+            self._restored = cand_step
+            return cand_step
+        if reasons:
+            raise CorruptCheckpoint(
+                f"no checkpoint under {self.root} could be loaded (refusing to start fresh when "
+                "history exists):\n  " + "\n  ".join(reasons), path=self.root,
+            )
+        return None
+
+    def _pick(self, step: int | None, is_coordinator: bool) -> dict[str, Any] | None:
+        if not is_coordinator:
+            return None
+        entries = scan(self.root)
+        notes = []
+        candidates = []
+        for e in reversed(entries):
+            if step is not None and e.step != step:
+                continue
+            if e.status in ("corrupt", "incomplete"):
+                notes.append(f"ignoring {e.path}: {e.status} ({e.problem})")
+            elif e.status == "committed":
+                report = verify(e.path, deep=False)
+                if report.ok:
+                    candidates.append([e.step, e.path])
+                else:
+                    notes.append(f"skipping checkpoint step {e.step} at {e.path}: " + "; ".join(report.problems))
+        return {"candidates": candidates, "warnings": notes}
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> CheckpointInfo | None:
+        """Save ``state`` as ``step`` (collective). Returns its info, or None with async_save
+        (the save then commits in the background; ``wait()`` returns its info)."""
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.wait()  # one save in flight; raises the previous background save's error
+        path = os.path.join(self.root, step_dirname(step))
+        coord = self._coord(what=f"save of step {step} to {path}")
+        coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
+        job = _SaveJob(coord, path, state, metadata, True, step, metrics, "auto")
+        job.agree()
+        if self._saver is None:
+            return self._finish(job, coord)
+        job.snapshot(self._pool)
+        background = self._coord("async", what=f"background save of step {step} to {path}")
+        job.coord = background
+        self._saver.submit(lambda: self._finish(job, background), f"step {step}")
+        return None
+
+    def _begin(self, is_coordinator: bool) -> None:
+        """Coordinator: take the writer lease, sweep leftovers of crashed saves."""
+        if not is_coordinator:
+            return
+        self._lock.acquire()
+        for e in scan(self.root):
+            if e.status in ("staging", "trash"):
+                remove_tree(e.path)
+
+    def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
+        info = job.finish()
+        coord.run("retain", lambda: self._retain(coord.is_coordinator),
+                  hint=f"The checkpoint {info.path} is committed; only retention failed.")
+        return info
+
+    def _retain(self, is_coordinator: bool) -> list[int]:
+        if not is_coordinator:
+            return []
+        entries = committed(self.root)
+        protect = {self._restored} if self._restored is not None else set()
+        doomed = self.policy.delete([(e.step, e.info.metrics if e.info else {}) for e in entries], protect)
+        by_step = {e.step: e for e in entries}
+        for s in doomed:
+            remove_tree(by_step[s].path)
+        return doomed
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the pending background save is committed; raise its error if it failed."""
+        if self._saver is None:
+            return None
+        return self._saver.wait()
+
+    @property
+    def preempted(self) -> bool:
+        """True on every rank once any rank got a preemption signal (collective)."""
+        if self._preempted:
+            return True
+        local = bool(self._watcher and self._watcher.flag)
+        self._preempted = self._coord(what="preemption check").any_true(local, "preempted")
+        return self._preempted
+
+    def close(self) -> None:
+        """Wait for the pending save (raising its error), release the lease and signal handlers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._lock.release()
+            if self._watcher:
+                self._watcher.restore()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed")
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # keep the original exception primary
+            warnings.warn(f"while closing after an error: {close_exc}", SafeckptWarning, stacklevel=2)
+
+
