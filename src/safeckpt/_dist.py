@@ -61,7 +61,7 @@ class _GroupState:
 
 _GROUPS: dict[tuple[int, float, str], tuple[weakref.ref, _GroupState]] = {}
 _GROUP_COUNTER = [0]
-_GROUP_ATTEMPTS = [0]  # Coordinator constructions on this rank (same count on every rank)
+_GROUP_ATTEMPTS = [0]  # group creations on this rank (same count on every rank)
 
 
 def _group_alive(group: Any) -> bool:
@@ -71,12 +71,17 @@ def _group_alive(group: Any) -> bool:
         return True
 
 
-def _get_group(timeout: float, purpose: str) -> _GroupState:
+def _cached_group(timeout: float, purpose: str) -> _GroupState | None:
     default_pg = dist.distributed_c10d._get_default_group()
-    key = (id(default_pg), timeout, purpose)
-    cached = _GROUPS.get(key)
+    cached = _GROUPS.get((id(default_pg), timeout, purpose))
     if cached is not None and cached[0]() is default_pg and _group_alive(cached[1].group):
         return cached[1]
+    return None
+
+
+def _new_group(timeout: float, purpose: str) -> _GroupState:
+    default_pg = dist.distributed_c10d._get_default_group()
+    key = (id(default_pg), timeout, purpose)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     _GROUP_COUNTER[0] += 1
     state = _GroupState(group, _GROUP_COUNTER[0])
@@ -117,15 +122,17 @@ class Coordinator:
             self.rank, self.world_size = 0, 1
         self._state: _GroupState | None = None
         if self.world_size > 1:
-            # Creating the group is itself a collective (through the store): a rank that never
-            # arrives must give RankFailure within the timeout, like any later phase.
-            _GROUP_ATTEMPTS[0] += 1
-            marker = f"safeckpt/group-{_GROUP_ATTEMPTS[0]}"
-            self._mark_arrival(marker)
-            try:
-                self._state = _get_group(self.timeout, purpose)
-            except Exception as exc:
-                raise self._lost_peers("setup", marker, exc) from exc
+            self._state = _cached_group(self.timeout, purpose)
+            if self._state is None:
+                # Creating the group is itself a collective (through the store): a rank that
+                # never arrives must give RankFailure within the timeout, like any later phase.
+                _GROUP_ATTEMPTS[0] += 1
+                marker = f"safeckpt/group-{_GROUP_ATTEMPTS[0]}"
+                self._mark_arrival(marker)
+                try:
+                    self._state = _new_group(self.timeout, purpose)
+                except Exception as exc:
+                    raise self._lost_peers("setup", marker, exc) from exc
 
     @property
     def is_coordinator(self) -> bool:
@@ -185,13 +192,14 @@ class Coordinator:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+                        mark=False)
         return bool(t.item())
 
     def _exchange(self, phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         return self._transport(phase, lambda group: self._all_gather_json(payload, group))
 
-    def _transport(self, phase: str, op: Callable[[Any], Any]) -> Any:
+    def _transport(self, phase: str, op: Callable[[Any], Any], *, mark: bool = True) -> Any:
         state = self._state
         assert state is not None
         if state.broken:
@@ -202,7 +210,8 @@ class Coordinator:
             )
         state.seq += 1
         marker = f"safeckpt/{state.uid}/{state.seq}"
-        self._mark_arrival(marker)
+        if mark:
+            self._mark_arrival(marker)
         try:
             return op(state.group)
         except Exception as exc:  # transport failure: dead, hung or absent peer
