@@ -216,11 +216,11 @@ class Coordinator:
             return op(state.group)
         except Exception as exc:  # transport failure: dead, hung or absent peer
             state.broken = f"{phase!r}: {str(exc).splitlines()[0][:200]}"
-            raise self._lost_peers(phase, marker, exc) from exc
+            raise self._lost_peers(phase, marker if mark else None, exc) from exc
 
-    def _lost_peers(self, phase: str, marker: str, exc: BaseException) -> RankFailure:
+    def _lost_peers(self, phase: str, marker: str | None, exc: BaseException) -> RankFailure:
         """The RankFailure for a transport failure: names the ranks that never reached ``marker``."""
-        missing = self._missing_ranks(marker)
+        missing = self._missing_ranks(marker) if marker else []
         if missing:
             who = ", ".join(map(str, missing))
             text = (
