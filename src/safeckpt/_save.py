@@ -33,8 +33,9 @@ from ._dist import Coordinator
 from ._manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, dtype_code, rank_file
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
+from ._reader import placement_of
 from ._shardfile import tensor_bytes, write_file
-from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp
+from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp, param_names
 from .errors import CheckpointError, CheckpointExists, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
@@ -93,7 +94,8 @@ class _SaveJob:
         self._check_agreement(agreed)
         self.items, self.records = self._my_items()
         self.tensor_table = {
-            k: {"dtype": dtype_code(leaf.tensor.dtype), "shape": list(leaf.tensor.shape), "scope": leaf.scope}
+            k: {"dtype": dtype_code(leaf.tensor.dtype), "shape": list(leaf.tensor.shape), "scope": leaf.scope,
+                **({"placement": placement_of(leaf.tensor)} if leaf.scope == "sharded" else {})}
             for k, leaf in sorted(self.leaves.items())
         }
 
@@ -142,7 +144,8 @@ class _SaveJob:
         json.dumps(self.metadata)  # fail early on non-JSON metadata
         json.dumps(self.metrics)
         leaves: list[Leaf] = []
-        self.objects = [encode_object(check_name(k), v, leaves) for k, v in self.state.items()]
+        names = param_names(self.state)
+        self.objects = [encode_object(check_name(k), v, leaves, names) for k, v in self.state.items()]
         for leaf in leaves:
             if leaf.key in self.leaves:
                 raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
@@ -286,7 +289,9 @@ class _SaveJob:
         rank = self.coord.rank
         items, records = self.items, [dict(r) for r in self.records]
         fname = rank_file(rank)
-        written = _retry_missing_dir(lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}))
+        written = _retry_missing_dir(
+            lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}), staging
+        )
         by_name = {c.name: c for c in written.chunks}
         for rec in records:
             c = by_name[rec.pop("name")]
@@ -304,7 +309,14 @@ class _SaveJob:
             return None
         files: dict[str, Any] = {}
         for r, w in enumerate(written):
-            actual = os.stat(os.path.join(staging, w["file"])).st_size
+            try:
+                actual = os.stat(os.path.join(staging, w["file"])).st_size
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"rank {r} wrote {w['file']} but the coordinator (rank 0) cannot see it in "
+                    f"{staging}: the checkpoint directory must be on storage shared by all ranks "
+                    "(node-local disks are not supported)."
+                ) from None
             if actual != w["size"]:
                 raise CheckpointError(
                     f"rank {r}'s file {w['file']} has {actual} bytes on disk but rank {r} wrote "
@@ -380,13 +392,17 @@ def _layout_differences(layouts: list[Any]) -> list[str]:
     return out
 
 
-def _retry_missing_dir(fn: Any, attempts: int = 50) -> Any:
+def _retry_missing_dir(fn: Any, staging: str, attempts: int = 50) -> Any:
     """Retry while the staging directory is not yet visible here (NFS attribute caches)."""
     for i in range(attempts):
         try:
             return fn()
         except FileNotFoundError:
             if i == attempts - 1:
-                raise
+                raise CheckpointError(
+                    f"the staging directory {staging} created by rank 0 is not visible on this "
+                    f"rank after {attempts * 0.1:.0f}s: the checkpoint directory must be on storage "
+                    "shared by all ranks."
+                ) from None
             time.sleep(0.1)
 
