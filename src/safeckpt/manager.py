@@ -26,7 +26,7 @@ from ._manifest import CheckpointInfo
 from ._offline import verify
 from ._preempt import PreemptionWatcher
 from ._save import _SaveJob
-from .errors import CheckpointNotFound, CorruptCheckpoint, SafeckptWarning
+from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -106,7 +106,13 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         coord = self._coord(what=f"restore from {self.root}")
-        picked = coord.run("pick", lambda: self._pick(step, coord.is_coordinator))[0]
+        asked = coord.run("pick", lambda: {"step": step, "pick": self._pick(step, coord.is_coordinator)})
+        if any(a["step"] != step for a in asked):
+            raise RankMismatch(
+                "restore: ranks asked for different steps: "
+                + ", ".join(f"rank {r}: {a['step']}" for r, a in enumerate(asked))
+            )
+        picked = asked[0]["pick"]
         for note in picked["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=2)
         if step is not None and not picked["candidates"]:
