@@ -20,6 +20,7 @@ from ._dist import Coordinator
 from ._manifest import CheckpointInfo
 from ._reader import TensorReader, open_manifest
 from ._tree import (
+    KEEP,
     PER_RANK_ATTR,
     Leaf,
     decode,
@@ -166,7 +167,8 @@ class _LoadJob:
                 if kind == "module":
                     self._finish_module(name, value, matched)
                 elif kind == "tree":
-                    loaded = decode(tree, lambda k, m=matched: m[k].tensor if k in m else self.reader.new(k))
+                    # Matched tensors were filled in place; skipped ones stay as they are.
+                    loaded = decode(tree, lambda k: KEEP)
                     self.state[name] = merge_into(value, loaded)
         finally:
             self.reader.close()

@@ -141,8 +141,14 @@ class _SaveJob:
     def _agree(self) -> dict[str, Any]:
         if not isinstance(self.state, Mapping):
             raise TypeError(f"state must be a dict of name -> value, got {type(self.state).__name__}")
-        json.dumps(self.metadata)  # fail early on non-JSON metadata
-        json.dumps(self.metrics)
+        for what, value in (("metadata", self.metadata), ("metrics", self.metrics)):
+            try:  # fail early, and say which argument is at fault
+                json.dumps(value, allow_nan=True)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{what} must be JSON (numbers, strings, bools, None, lists, dicts with "
+                    f"string keys): {exc}. Nothing was written."
+                ) from None
         leaves: list[Leaf] = []
         names = param_names(self.state)
         self.objects = [encode_object(check_name(k), v, leaves, names) for k, v in self.state.items()]

@@ -191,16 +191,36 @@ def tensor_keys(tree: Any) -> Iterator[str]:
                 yield from tensor_keys(v)
 
 
+KEEP = object()
+"""Placeholder in a decoded tree: keep the target's value here (a tensor already filled in place,
+so the caller's object, e.g. a Parameter, stays; or a tensor skipped by a non-strict load)."""
+
+
+def _holds_keep(value: Any) -> bool:
+    if value is KEEP:
+        return True
+    if isinstance(value, dict):
+        return any(_holds_keep(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_keep(v) for v in value)
+    return False
+
+
 def merge_into(target: Any, loaded: Any) -> Any:
-    """Update ``target`` with ``loaded`` keeping containers (and tensors filled in place)."""
-    if loaded is target:
+    """Update ``target`` with ``loaded`` keeping containers; :data:`KEEP` keeps the target's value."""
+    if loaded is target or loaded is KEEP:
         return target
     if isinstance(target, dict) and isinstance(loaded, dict):
         for k, v in loaded.items():
-            target[k] = merge_into(target[k], v) if k in target else v
+            if k in target:
+                target[k] = merge_into(target[k], v)
+            elif not _holds_keep(v):
+                target[k] = v
         return target
     if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
         for i, v in enumerate(loaded):
             target[i] = merge_into(target[i], v)
         return target
-    return loaded
+    if type(target) is tuple and type(loaded) is tuple and len(target) == len(loaded):
+        return tuple(merge_into(t, v) for t, v in zip(target, loaded, strict=True))
+    return target if _holds_keep(loaded) else loaded
