@@ -1,0 +1,274 @@
+"""On-disk format (SPEC behaviour 8, 3 and 10): damage is detected, never unpickled, never followed.
+
+Every kind of damage makes ``load`` and ``read_state_dict`` raise CorruptCheckpoint, and makes
+``verify(path).ok`` False with a problem that names the damaged file. Loading never unpickles
+(checked with pickle and torch.load disabled in real 2-rank workers), and the data files are plain
+safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.serialization
+from safetensors import safe_open
+from torch import nn
+
+import safeckpt
+from tests import dist_harness
+
+DATA = "rank-00000.safetensors"
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A committed single-process checkpoint and the model it holds."""
+    model = _model(0)
+    path = tmp_path / "ck"
+    safeckpt.save(path, {"model": model, "step": 7, "extra": {"t": torch.arange(10)}})
+    assert safeckpt.verify(path).ok
+    return path, model
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _write_manifest(path, man: dict) -> None:
+    (path / "manifest.json").write_text(json.dumps(man))
+
+
+def _assert_corrupt(path, *, names: str) -> safeckpt.VerifyReport:
+    """load and read_state_dict raise CorruptCheckpoint; verify reports a problem naming ``names``."""
+    with pytest.raises(safeckpt.CorruptCheckpoint):
+        safeckpt.load(path, {"model": _model(1), "step": 0, "extra": {"t": torch.zeros(10, dtype=torch.int64)}})
+    with pytest.raises(safeckpt.CorruptCheckpoint):
+        safeckpt.read_state_dict(path)
+    report = safeckpt.verify(path)
+    assert report.ok is False
+    assert not report
+    assert any(names in p for p in report.problems), report.problems
+    return report
+
+
+def _chunk(man: dict, key: str) -> dict:
+    (chunk,) = man["tensors"][key]["chunks"]
+    return chunk
+
+
+def test_truncated_data_file(ckpt):
+    path, _ = ckpt
+    f = path / DATA
+    size = f.stat().st_size
+    os.truncate(f, size - 100)
+    report = _assert_corrupt(path, names=DATA)
+    assert any("truncated" in p for p in report.problems)
+
+
+def test_data_file_cut_to_zero(ckpt):
+    path, _ = ckpt
+    os.truncate(path / DATA, 0)
+    _assert_corrupt(path, names=DATA)
+
+
+def test_bit_flip_in_data_is_caught_by_checksums(ckpt):
+    path, model = ckpt
+    man = _manifest(path)
+    c = _chunk(man, "model/0.weight")
+    pos = (c["start"] + c["end"]) // 2
+    with open(path / DATA, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    report = _assert_corrupt(path, names=DATA)
+    assert any("checksum" in p for p in report.problems), report.problems
+
+    # A shallow verify checks sizes only, so it does not see the flip ...
+    assert safeckpt.verify(path, deep=False).ok
+    # ... and verify_checksums=False skips the checksum: the damaged value loads as stored.
+    target = _model(1)
+    safeckpt.load(path, {"model": target, "step": 0, "extra": {"t": torch.zeros(10, dtype=torch.int64)}},
+                  verify_checksums=False)
+    diff = (target[0].weight != model[0].weight).sum().item()
+    assert diff == 1
+    torch.testing.assert_close(target[2].weight, model[2].weight, rtol=0, atol=0)
+    flat = safeckpt.read_state_dict(path, verify_checksums=False)
+    assert (flat["model/0.weight"] != model[0].weight).sum().item() == 1
+
+
+def test_missing_data_file(ckpt):
+    path, _ = ckpt
+    (path / DATA).unlink()
+    report = _assert_corrupt(path, names=DATA)
+    assert any("missing" in p for p in report.problems)
+
+
+@pytest.mark.parametrize("bad_name", ["../x", "/etc/passwd", "sub/rank-00000.safetensors", "..", ""],
+                         ids=["dotdot", "absolute", "separator", "parent", "empty"])
+def test_manifest_with_unsafe_file_name(ckpt, bad_name):
+    path, _ = ckpt
+    # Put a readable decoy where '../x' would lead, so following the name would "work".
+    (path.parent / "x").write_bytes((path / DATA).read_bytes())
+    man = _manifest(path)
+    man["files"][bad_name] = man["files"].pop(DATA)
+    for rec in man["tensors"].values():
+        for c in rec["chunks"]:
+            c["file"] = bad_name
+    _write_manifest(path, man)
+    report = _assert_corrupt(path, names=repr(bad_name))
+    assert any("unsafe" in p for p in report.problems), report.problems
+
+
+def test_symlinked_data_file_is_refused(ckpt, tmp_path):
+    path, _ = ckpt
+    # The link points at an identical copy, so only the refusal to follow it can fail the load.
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes((path / DATA).read_bytes())
+    (path / DATA).unlink()
+    os.symlink(elsewhere, path / DATA)
+    report = _assert_corrupt(path, names=DATA)
+    assert any("symlink" in p for p in report.problems), report.problems
+
+
+def test_manifest_not_json_and_unknown_version(ckpt):
+    path, _ = ckpt
+    man = _manifest(path)
+    (path / "manifest.json").write_text('{"format": "safeckpt", "files": ')
+    _assert_corrupt(path, names="manifest.json")
+    man["format_version"] = 999
+    _write_manifest(path, man)
+    report = _assert_corrupt(path, names="manifest.json")
+    assert any("upgrade" in p for p in report.problems)
+
+
+def test_byte_range_past_end_of_file(ckpt):
+    path, _ = ckpt
+    man = _manifest(path)
+    c = _chunk(man, "model/2.bias")
+    c["end"] = man["files"][DATA]["size"] + 64
+    _write_manifest(path, man)
+    _assert_corrupt(path, names="model/2.bias")
+
+
+def test_undamaged_checkpoint_verifies_and_files_are_plain_safetensors(ckpt):
+    path, model = ckpt
+    report = safeckpt.verify(path)
+    assert report.ok and report.problems == [] and report.step is None
+    assert report.nbytes == (path / DATA).stat().st_size
+    with safe_open(str(path / DATA), framework="pt") as f:
+        assert f.metadata() == {"format": "safeckpt"}
+        assert set(f.keys()) == {"model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias", "extra/t"}
+        for k, v in model.state_dict().items():
+            assert torch.equal(f.get_tensor(f"model/{k}"), v)
+        assert torch.equal(f.get_tensor("extra/t"), torch.arange(10))
+    man = _manifest(path)
+    assert man["format"] == "safeckpt"
+    # Non-tensor values live in the JSON manifest, not in a pickle.
+    assert man["objects"]["step"]["tree"] == 7
+
+
+# ----------------------------------------------------------- multi-rank, pickle disabled
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("safeckpt.load unpickled something")
+
+
+class _NoUnpickler:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("safeckpt.load created an Unpickler")
+
+
+def _pickle_free_load(rank, world, root):
+    import random
+
+    import numpy as np
+
+    path = os.path.join(root, "ck")
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched.step()
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(rank)
+    state = {
+        "model": model, "optim": opt, "sched": sched, "rng": safeckpt.RNGState(),
+        "meta": {"step": 11, "tags": ["a", "b"], "pair": (1, 2.5), "t": torch.full((3,), float(7))},
+    }
+    safeckpt.save(path, state)
+    expect_rand = (random.random(), float(np.random.rand()), torch.rand(1).item())
+
+    model2 = _model(5)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    target = {
+        "model": model2, "optim": opt2, "sched": sched2, "rng": safeckpt.RNGState(),
+        "meta": {"step": 0, "tags": [], "pair": (0, 0.0), "t": torch.zeros(3)},
+    }
+    saved = (pickle.load, pickle.loads, pickle.Unpickler, torch.load, torch.serialization.load)
+    pickle.load = pickle.loads = _forbidden
+    pickle.Unpickler = _NoUnpickler
+    torch.load = torch.serialization.load = _forbidden
+    try:
+        safeckpt.load(path, target)
+        flat = safeckpt.read_state_dict(path)
+        report = safeckpt.verify(path)
+    finally:
+        pickle.load, pickle.loads, pickle.Unpickler, torch.load, torch.serialization.load = saved
+    got_rand = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    same_model = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    osd, osd2 = opt.state_dict(), opt2.state_dict()
+    same_opt = osd["param_groups"] == osd2["param_groups"] and all(
+        torch.equal(osd["state"][i][k], osd2["state"][i][k]) for i in osd["state"] for k in osd["state"][i]
+    )
+    return {
+        "same_model": same_model,
+        "same_opt": same_opt,
+        "same_sched": sched.state_dict() == sched2.state_dict(),
+        "rng": got_rand == expect_rand,
+        "meta": [target["meta"]["step"], target["meta"]["tags"], list(target["meta"]["pair"]),
+                 target["meta"]["t"].tolist()],
+        "flat_keys": sorted(flat),
+        "verify_ok": report.ok,
+    }
+
+
+def test_load_never_unpickles_and_rank_files_are_plain_safetensors(tmp_path):
+    out = dist_harness.run(_pickle_free_load, 2, str(tmp_path), timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        v = o.value
+        assert v["same_model"] and v["same_opt"] and v["same_sched"], v
+        assert v["rng"], "per-rank RNG state not restored"
+        assert v["meta"] == [11, ["a", "b"], [1, 2.5], [7.0, 7.0, 7.0]]
+        assert v["verify_ok"]
+        assert "model/0.weight" in v["flat_keys"]
+
+    # Every rank's file opens with plain safetensors and the pieces add up to the model.
+    path = tmp_path / "ck"
+    man = _manifest(path)
+    assert sorted(man["files"]) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    stored = 0
+    for name in man["files"]:
+        with safe_open(str(path / name), framework="pt") as f:
+            assert f.metadata() == {"format": "safeckpt"}
+            for k in f.keys():
+                stored += f.get_tensor(k).numel()
+    expected = sum(
+        int(torch.Size(rec["shape"]).numel()) * (2 if rec["scope"] == "per_rank" else 1)
+        for rec in man["tensors"].values()
+    )
+    assert stored == expected
