@@ -1,0 +1,930 @@
+"""``safeckpt``: look at, check, clean up, compare and export checkpoints from a shell.
+
+Commands (``safeckpt COMMAND --help`` for options)::
+
+    ls ROOT              what is under a checkpoint root: committed steps, leftovers, the writer lease
+    inspect CKPT         metadata and every tensor (dtype, shape, size, scope)
+    verify CKPT          exit 0 only when sound (--deep, the default, checks every byte's checksum)
+    gc ROOT              remove staging/trash leftovers of crashed runs; optional retention rules
+    diff A B             per-tensor max |A-B|, keys only on one side, shape/dtype/value differences
+    consolidate CKPT -o OUT.safetensors
+                         one full (unsharded) state dict in a plain safetensors file
+
+Exit codes: 0 success (sound, identical, done); 1 ``diff`` found differences, or an unexpected
+error; 2 usage error or no checkpoint at the path (CheckpointNotFound); 5 the checkpoint is
+corrupt (``verify``); 7 a live writer holds the root (``gc`` refuses); 8 the output exists
+(``consolidate`` without --overwrite); 130 interrupted. Every error is one line on stderr, and
+a :class:`~safeckpt.CheckpointError` exits with its class's ``exit_code``.
+
+The CLI reads checkpoints without a process group and never takes the writer lease, except
+``gc``, which holds it while it deletes so that no job starts saving into what it cleans. It
+deletes only what it recognises: staging/trash leftovers (by their markers) and, when asked,
+committed ``step-*`` checkpoints that the retention rules do not keep (never the newest).
+
+``rich`` (``pip install 'safeckpt[cli]'``) draws tables and progress bars when the output is a
+terminal; without it, or when piped, output is plain aligned text. Progress bars appear only
+when stderr is a terminal (``SAFECKPT_PROGRESS=1``/``0`` forces them on or off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import __version__
+from . import _humanize as human
+from ._catalog import Entry, scan
+from ._commit import fsync_dir, remove_tree
+from ._lock import LOCK_NAME, RootLock, holder_is_live, read_lock
+from ._manifest import MANIFEST, CheckpointInfo, read_manifest, safe_file_path, torch_dtype
+from ._offline import VerifyReport, verify
+from ._reader import TensorReader, open_manifest
+from ._tree import decode, tensor_keys
+from .errors import (
+    CheckpointError,
+    CheckpointExists,
+    CheckpointLocked,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+)
+from .retention import RetentionPolicy
+
+Advance = Callable[[int], None]
+
+EXIT_DIFFERENT = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+ABSENT = "<absent>"
+INSTALL_HINT = "install rich for tables and progress bars: pip install 'safeckpt[cli]'"
+GC_LEASE = 30.0  # a crashed gc blocks writers on other hosts for at most this long
+
+
+class UsageError(Exception):
+    """Bad arguments found after parsing (exit 2)."""
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _rich() -> Any:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return None
+    return rich
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class UI:
+    """Where output goes: plain text when piped, rich tables and progress bars on a terminal."""
+
+    def __init__(self) -> None:
+        self._hinted = False
+
+    @property
+    def out(self) -> Any:
+        return sys.stdout
+
+    @property
+    def err(self) -> Any:
+        return sys.stderr
+
+    def _hint(self) -> None:
+        if not self._hinted:
+            self._hinted = True
+            print(f"safeckpt: note: {INSTALL_HINT}", file=self.err)
+
+    def echo(self, text: str = "") -> None:
+        print(text, file=self.out)
+
+    def warn(self, text: str) -> None:
+        print(f"safeckpt: {text}", file=self.err)
+
+    def json(self, obj: Any) -> None:
+        print(json.dumps(_json_safe(obj), indent=2), file=self.out)
+
+    def table(self, headers: list[str], rows: list[list[str]], *, right: frozenset[int] | set[int] = frozenset(),
+              title: str | None = None) -> None:
+        if _isatty(self.out):
+            rich = _rich()
+            if rich is None:
+                self._hint()
+            else:
+                from rich.console import Console
+                from rich.table import Table
+
+                t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+                for i, h in enumerate(headers):
+                    t.add_column(h, justify="right" if i in right else "left", no_wrap=i == 0, overflow="fold")
+                for r in rows:
+                    t.add_row(*r)
+                Console(file=self.out).print(t)
+                return
+        if title:
+            self.echo(title)
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+        def line(cells: list[str]) -> str:
+            parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+            return "  ".join(parts).rstrip()
+
+        self.echo(line(headers))
+        for r in rows:
+            self.echo(line(r))
+
+    @contextlib.contextmanager
+    def progress(self, total: int, what: str) -> Iterator[Advance | None]:
+        """A byte-counting progress bar on stderr, or None when stderr is not a terminal."""
+        forced = os.environ.get("SAFECKPT_PROGRESS", "")
+        enabled = forced == "1" or (forced != "0" and _isatty(self.err))
+        if not enabled or total <= 0:
+            yield None
+            return
+        if _rich() is None:
+            self._hint()
+            yield None
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TimeRemainingColumn(),
+            console=Console(file=self.err), transient=True,
+        ) as bar:
+            task = bar.add_task(what, total=total)
+            yield lambda n: bar.advance(task, n)
+
+
+def _json_safe(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _step(step: int | None) -> str:
+    return "-" if step is None else str(step)
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = json.dumps(_json_safe(value)) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+class _TensorRef:
+    """Stands for a tensor while walking a manifest's object trees without reading data."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _values(man: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor leaves of every object, flattened to ``object/sub/key`` (as tensor keys are).
+
+    A list or tuple holding no dict and no tensor counts as one value (``param_groups/0/params``)."""
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, _TensorRef):
+            return
+        if isinstance(value, dict):
+            if not value:
+                out[prefix] = {}
+            for k, v in value.items():
+                walk(v, f"{prefix}/{k}")
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple, _TensorRef)) for v in value):
+            for i, v in enumerate(value):
+                walk(v, f"{prefix}/{i}")
+        else:
+            out[prefix] = list(value) if isinstance(value, tuple) else value
+
+    for name, obj in man["objects"].items():
+        walk(decode(obj["tree"], _TensorRef), name)
+    return out
+
+
+def _tensor_order(man: dict[str, Any]) -> list[str]:
+    """Tensor keys in the order their objects list them (state-dict order), then any others."""
+    seen: dict[str, None] = {}
+    for obj in man["objects"].values():
+        for key in tensor_keys(obj["tree"]):
+            seen.setdefault(key, None)
+    for key in man["tensors"]:
+        seen.setdefault(key, None)
+    return list(seen)
+
+
+def _tensor_nbytes(rec: dict[str, Any]) -> int:
+    return math.prod(rec["shape"]) * torch_dtype(rec["dtype"]).itemsize
+
+
+def _checkpoint_files_size(man: dict[str, Any]) -> int:
+    return sum(int(f["size"]) for f in man["files"].values())
+
+
+def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
+    """:func:`safeckpt.verify`, feeding a progress bar while it hashes when one is shown."""
+    if not deep or advance is None:
+        return verify(path, deep=deep)
+    report = verify(path, deep=False)  # structure, presence, sizes
+    try:
+        man = open_manifest(report.path)
+    except (CheckpointError, OSError):
+        return VerifyReport(report.path, False, report.problems, report.step, report.nbytes, deep=True)
+    import xxhash
+
+    problems = list(report.problems)
+    for name, rec in sorted(man["files"].items()):
+        try:
+            fpath = safe_file_path(report.path, name)
+        except CheckpointError:
+            continue  # already reported by the shallow pass
+        if not os.path.isfile(fpath) or os.path.getsize(fpath) != rec["size"]:
+            continue  # likewise
+        h = xxhash.xxh3_128()
+        with open(fpath, "rb", buffering=0) as f:
+            buf = bytearray(8 << 20)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                advance(n)
+        if h.hexdigest() != rec.get("xxh3_128"):
+            problems.append(f"{name}: checksum mismatch (corrupt data)")
+    return VerifyReport(report.path, not problems, problems, report.step, report.nbytes, deep=True)
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def _root(path: str) -> str:
+    root = os.path.abspath(path)
+    if not os.path.isdir(root):
+        raise CheckpointNotFound(f"{root} is not a directory", path=root)
+    return root
+
+
+def _lease(root: str) -> dict[str, Any] | None:
+    """The writer lease on ``root`` (holder, age, live) or None when nobody holds one."""
+    holder = read_lock(root)
+    if holder is None:
+        return None
+    return {
+        "run_id": holder.get("run_id"), "host": holder.get("host"), "pid": holder.get("pid"),
+        "heartbeat_age": round(float(holder.get("age", 0.0)), 1), "lease": holder.get("lease"),
+        "live": holder_is_live(holder),
+    }
+
+
+def _lease_line(lease: dict[str, Any]) -> str:
+    state = "LIVE (a job is writing here)" if lease["live"] else "stale (holder gone; the next writer takes it over)"
+    return (f"writer lease: run {lease['run_id']} on {lease['host']} pid {lease['pid']}, "
+            f"heartbeat {human.age(lease['heartbeat_age'])} ago: {state}")
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _unmanaged(root: str, known: set[str]) -> list[Entry]:
+    """Checkpoints under ``root`` saved with safeckpt.save under names the manager does not use."""
+    found = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name in known or name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        try:
+            man = read_manifest(path)
+        except (CheckpointError, OSError) as exc:
+            found.append(Entry(name, path, "corrupt", None, problem=str(exc)))
+            continue
+        info = CheckpointInfo.from_manifest(path, man)
+        found.append(Entry(name, path, "committed", info.step, info))
+    return found
+
+
+def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
+    root = _root(args.root)
+    entries = scan(root)
+    managed = {e.name for e in entries}
+    extra = _unmanaged(root, managed)
+    lease = _lease(root)
+    live = bool(lease and lease["live"])
+    to_check = [e for e in entries + extra if e.status == "committed" and e.info is not None]
+    total = sum(e.info.nbytes for e in to_check if e.info) if args.verify else 0
+    reports: dict[str, VerifyReport] = {}
+    with ui.progress(total, "verifying") as advance:
+        for e in to_check:
+            reports[e.path] = _check(e.path, args.verify, advance)
+
+    rows = []
+    for e in entries + extra:
+        row: dict[str, Any] = {
+            "name": e.name, "path": e.path, "step": e.step, "status": e.status,
+            "managed": e.name in managed, "problems": [e.problem] if e.problem else [],
+            "created_at": None, "nbytes": None, "world_size": None, "metrics": {},
+        }
+        if e.info is not None:
+            row.update(created_at=e.info.created_at, nbytes=e.info.nbytes,
+                       world_size=e.info.world_size, metrics=e.info.metrics)
+            rep = reports[e.path]
+            if not rep.ok and not os.path.isdir(e.path):
+                continue  # deleted (by retention) while we looked: not corrupt, just gone
+            row["verified"] = "deep" if args.verify else "sizes"
+            if not rep.ok:
+                row["status"] = "corrupt"
+                row["problems"] = rep.problems
+        else:
+            with contextlib.suppress(OSError):
+                row["created_at"] = human.iso(os.path.getmtime(e.path))
+            row["nbytes"] = _dir_size(e.path)
+        if e.status in ("staging", "trash"):
+            row["status"] = f"{e.status} ({'live writer' if live else 'leftover'})"
+        rows.append(row)
+
+    if args.json:
+        ui.json({"root": root, "lease": lease, "entries": rows})
+        return 0
+    if not rows:
+        hint = " (it is a checkpoint itself: try `safeckpt inspect`)" if os.path.isfile(os.path.join(root, MANIFEST)) else ""
+        ui.echo(f"no checkpoints under {root}{hint}")
+    else:
+        ui.table(
+            ["NAME", "STEP", "TIME (UTC)", "SIZE", "WORLD", "METRICS", "STATUS"],
+            [[r["name"], _step(r["step"]), human.timestamp(r["created_at"]),
+              "-" if r["nbytes"] is None else human.size(r["nbytes"]),
+              "-" if r["world_size"] is None else str(r["world_size"]),
+              human.metrics(r["metrics"]), r["status"]] for r in rows],
+            right={1, 3, 4},
+        )
+        problems = [(r["name"], p) for r in rows for p in r["problems"]]
+        if problems:
+            ui.echo("")
+            for name, p in problems:
+                ui.echo(f"{name}: {p}")
+        leftovers = [r for r in rows if r["status"].endswith("(leftover)")]
+        if leftovers:
+            ui.echo("")
+            ui.echo(f"{len(leftovers)} leftover(s) of interrupted saves ({human.size(sum(r['nbytes'] for r in leftovers))}); "
+                    f"`safeckpt gc {args.root}` removes them")
+    if lease:
+        ui.echo(_lease_line(lease))
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
+    ckpt = os.path.abspath(args.ckpt)
+    man = open_manifest(ckpt)
+    order = _tensor_order(man)
+    tensors = []
+    for key in order:
+        rec = man["tensors"][key]
+        tensors.append({
+            "key": key, "dtype": rec["dtype"], "shape": list(rec["shape"]), "nbytes": _tensor_nbytes(rec),
+            "scope": rec.get("scope", "replicated"), "chunks": len(rec["chunks"]),
+        })
+    objects = {}
+    for name, obj in man["objects"].items():
+        keys = list(dict.fromkeys(tensor_keys(obj["tree"])))
+        objects[name] = {"kind": obj.get("kind"), "tensors": len(keys),
+                         "nbytes": sum(_tensor_nbytes(man["tensors"][k]) for k in keys if k in man["tensors"])}
+    values = _values(man)
+    summary = {
+        "path": ckpt, "step": man.get("step"), "world_size": man.get("world_size"),
+        "created_at": man.get("created_at"), "format_version": man.get("format_version"),
+        "safeckpt_version": man.get("safeckpt_version"), "torch_version": man.get("torch_version"),
+        "nbytes": _checkpoint_files_size(man), "metadata": man.get("metadata") or {},
+        "metrics": man.get("metrics") or {},
+        "files": {name: rec["size"] for name, rec in sorted(man["files"].items())},
+    }
+    if args.json:
+        ui.json({**summary, "objects": objects, "tensors": tensors, "values": values})
+        return 0
+    ui.echo(f"checkpoint  {ckpt}")
+    ui.echo(f"step        {_step(summary['step'])}")
+    ui.echo(f"created     {human.timestamp(summary['created_at'])}")
+    ui.echo(f"world size  {summary['world_size']}")
+    ui.echo(f"size        {human.size(summary['nbytes'])} in {len(summary['files'])} file(s), "
+            f"{len(tensors)} tensor(s)")
+    ui.echo(f"versions    format {summary['format_version']}, safeckpt {summary['safeckpt_version']}, "
+            f"torch {summary['torch_version']}")
+    ui.echo(f"metrics     {human.metrics(summary['metrics'])}")
+    for k, v in summary["metadata"].items():
+        ui.echo(f"metadata    {k} = {_short(v)}")
+    ui.echo("")
+    ui.table(["OBJECT", "KIND", "TENSORS", "SIZE"],
+             [[n, str(o["kind"]), str(o["tensors"]), human.size(o["nbytes"])] for n, o in objects.items()],
+             right={2, 3})
+    ui.echo("")
+    ui.table(["TENSOR", "DTYPE", "SHAPE", "SIZE", "SCOPE"],
+             [[t["key"], t["dtype"], human.shape(t["shape"]), human.size(t["nbytes"]), t["scope"]] for t in tensors],
+             right={3})
+    if values and args.values:
+        ui.echo("")
+        ui.table(["KEY", "VALUE"], [[k, _short(v)] for k, v in values.items()])
+    elif values:
+        ui.echo("")
+        ui.echo(f"{len(values)} non-tensor value(s) (--values shows them)")
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
+    ckpt = os.path.abspath(args.ckpt)
+    try:
+        man = open_manifest(ckpt)
+        total = _checkpoint_files_size(man) if args.deep else 0
+    except CorruptCheckpoint:
+        total = 0  # an unreadable manifest: verify reports it
+    with ui.progress(total, "verifying") as advance:
+        report = _check(ckpt, args.deep, advance)
+    code = 0 if report.ok else CorruptCheckpoint.exit_code
+    if args.json:
+        ui.json({"path": report.path, "ok": report.ok, "deep": report.deep, "step": report.step,
+                 "nbytes": report.nbytes, "problems": report.problems, "exit_code": code})
+        return code
+    how = "checksums of every file" if report.deep else "sizes only, no checksums (--deep checks every byte)"
+    if report.ok:
+        ui.echo(f"OK  {report.path}  (step {_step(report.step)}, {human.size(report.nbytes)}; {how})")
+    else:
+        ui.echo(f"CORRUPT  {report.path}  ({len(report.problems)} problem(s); {how})")
+        for p in report.problems:
+            ui.echo(f"  - {p}")
+    return code
+
+
+# --------------------------------------------------------------------------- gc
+
+
+def _policy(args: argparse.Namespace) -> RetentionPolicy | None:
+    rules = (args.keep_last, args.keep_best, args.keep_every)
+    if all(r is None for r in rules):
+        if args.best_metric:
+            raise UsageError("--best-metric needs --keep-best N")
+        return None
+    try:
+        # Only --keep-best/--keep-every given: keep what they keep plus the newest (keep_last=1).
+        return RetentionPolicy(keep_last=1 if args.keep_last is None else args.keep_last, keep_best=args.keep_best,
+                               best_metric=args.best_metric, best_mode=args.best_mode,
+                               keep_every=args.keep_every)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _gc_plan(root: str, policy: RetentionPolicy | None) -> tuple[list[Entry], list[Entry], list[Entry]]:
+    """(leftovers to remove, committed checkpoints retention deletes, entries left alone)."""
+    entries = scan(root)
+    leftovers = [e for e in entries if e.status in ("staging", "trash")]
+    done = [e for e in entries if e.status == "committed" and e.info is not None]
+    doomed: list[Entry] = []
+    if policy is not None and done:
+        steps = set(policy.delete([(e.step, e.info.metrics if e.info else {}) for e in done]))
+        doomed = [e for e in done if e.step in steps]
+    alone = [e for e in entries if e.status in ("incomplete", "corrupt")]
+    return leftovers, doomed, alone
+
+
+def _break_lease(root: str, ui: UI) -> None:
+    lease = _lease(root)
+    if lease is None:
+        return
+    aside = os.path.join(root, f"{LOCK_NAME}.broken-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(os.path.join(root, LOCK_NAME), aside)
+        os.unlink(aside)
+    except FileNotFoundError:
+        return
+    ui.warn(f"warning: broke the writer lease of run {lease['run_id']} on {lease['host']} pid {lease['pid']}"
+            + (" (it looked LIVE: if that job is still saving, its checkpoint may be lost)" if lease["live"] else ""))
+
+
+def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
+    root = _root(args.root)
+    policy = _policy(args)
+    lease = _lease(root)
+    live = bool(lease and lease["live"])
+    refused = live and not args.break_lock
+    lock: RootLock | None = None
+    if not args.dry_run:
+        if lease is not None and refused:
+            raise CheckpointLocked(
+                f"{root} has a live writer ({_lease_line(lease)}); gc does not touch a root a job is "
+                "writing (its manager sweeps leftovers itself at the next save). Stop the job first, "
+                "or pass --break-lock if you are sure it is gone."
+            )
+        if args.break_lock:
+            _break_lease(root, ui)
+        # Hold the lease while deleting, so no writer starts saving into what we clean.
+        lock = RootLock(root, run_id=f"safeckpt-gc-{os.getpid()}-{uuid.uuid4().hex[:8]}", lease=GC_LEASE)
+        lock.acquire()
+    removed: list[dict[str, Any]] = []
+    try:
+        leftovers, doomed, alone = _gc_plan(root, policy)
+        for e, why in [(e, f"{e.status} leftover") for e in leftovers] + [(e, "retention") for e in doomed]:
+            size = _dir_size(e.path)
+            if not args.dry_run:
+                remove_tree(e.path)
+            removed.append({"name": e.name, "step": e.step, "reason": why, "nbytes": size})
+    finally:
+        if lock is not None:
+            lock.release()
+    gone = {r["name"] for r in removed}
+    kept = [e.name for e in scan(root) if e.status == "committed" and e.name not in gone]
+    if args.json:
+        ui.json({"root": root, "dry_run": args.dry_run, "removed": removed, "kept": kept,
+                 "left_alone": [{"name": e.name, "status": e.status, "problem": e.problem} for e in alone],
+                 "lease": lease, "would_refuse": refused})
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for r in removed:
+        ui.echo(f"{verb} {r['name']}  ({r['reason']}, {human.size(r['nbytes'])})")
+    if not removed:
+        ui.echo("nothing to remove")
+    else:
+        ui.echo(f"{verb} {len(removed)} director{'y' if len(removed) == 1 else 'ies'}, "
+                f"{human.size(sum(r['nbytes'] for r in removed))}; {len(kept)} committed checkpoint(s) kept")
+    for e in alone:
+        ui.echo(f"left alone: {e.name} ({e.status}: {e.problem}); not something gc removes, delete it by hand if unwanted")
+    if lease is not None and args.dry_run and refused:
+        ui.echo(_lease_line(lease))
+        ui.echo("gc would refuse to run now (use --break-lock only if that job is gone)")
+    return 0
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def _max_abs_diff(a: Any, b: Any, piece: int = 1 << 22) -> float:
+    """max |a - b| over elements (NaN == NaN, equal infinities count as 0), in bounded pieces."""
+    import torch
+
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    best = 0.0
+    for start in range(0, fa.numel(), piece):
+        x, y = fa[start:start + piece], fb[start:start + piece]
+        same = x == y
+        if x.is_floating_point() or x.is_complex():
+            same |= torch.isnan(x) & torch.isnan(y)
+        if bool(same.all()):
+            continue
+        wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
+        d = (x.to(wide) - y.to(wide)).abs()  # real float64 either way
+        d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
+        d = torch.nan_to_num(d, nan=math.inf)  # NaN against a number: infinitely different
+        best = max(best, float(d.max()))
+    return best
+
+
+def _dict_diff(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """Keys whose values differ (NaN equals NaN), absent ones shown as ``"<absent>"``."""
+    out = []
+    for k in dict.fromkeys([*a, *b]):
+        x, y = _json_safe(a.get(k, ABSENT)), _json_safe(b.get(k, ABSENT))
+        if x != y:
+            out.append({"key": prefix + k, "a": x, "b": y})
+    return out
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
+    pa, pb = os.path.abspath(args.a), os.path.abspath(args.b)
+    ma, mb = open_manifest(pa), open_manifest(pb)
+    ta, tb = ma["tensors"], mb["tensors"]
+    only_a = [k for k in _tensor_order(ma) if k not in tb]
+    only_b = [k for k in _tensor_order(mb) if k not in ta]
+    common = [k for k in _tensor_order(ma) if k in tb]
+    results: list[dict[str, Any]] = []
+    mismatched: list[dict[str, Any]] = []
+    comparable = [k for k in common if list(ta[k]["shape"]) == list(tb[k]["shape"])]
+    total = sum(_tensor_nbytes(ta[k]) + _tensor_nbytes(tb[k]) for k in comparable)
+    ra, rb = TensorReader(pa, ma), TensorReader(pb, mb)
+    try:
+        with ui.progress(total, "comparing") as advance:
+            for k in common:
+                da, db = ta[k]["dtype"], tb[k]["dtype"]
+                sa, sb = list(ta[k]["shape"]), list(tb[k]["shape"])
+                if sa != sb or da != db:
+                    mismatched.append({"key": k, "a": {"dtype": da, "shape": sa}, "b": {"dtype": db, "shape": sb}})
+                if sa != sb:
+                    continue
+                x, y = ra.new(k), rb.new(k)
+                same = _bitwise_equal(x, y)
+                diff = 0.0 if same else _max_abs_diff(x, y)
+                results.append({"key": k, "dtype": da if da == db else f"{da}/{db}", "shape": sa,
+                                "identical": same, "max_abs_diff": diff,
+                                "equal": same or (da == db and diff <= args.atol)})
+                del x, y
+                if advance:
+                    advance(_tensor_nbytes(ta[k]) + _tensor_nbytes(tb[k]))
+    finally:
+        ra.close()
+        rb.close()
+
+    va, vb = _values(ma), _values(mb)
+    values = _dict_diff(va, vb, "")
+    meta = _dict_diff(ma.get("metadata") or {}, mb.get("metadata") or {}, "metadata/")
+    meta += _dict_diff(ma.get("metrics") or {}, mb.get("metrics") or {}, "metrics/")
+    differing = [r for r in results if not r["equal"]]
+    different = bool(only_a or only_b or mismatched or differing or values or meta)
+    code = EXIT_DIFFERENT if different else 0
+    if args.json:
+        ui.json({"a": pa, "b": pb, "identical": not different, "exit_code": code,
+                 "only_in_a": only_a, "only_in_b": only_b, "mismatched": mismatched,
+                 "tensors": results, "values": values, "metadata": meta,
+                 "steps": [ma.get("step"), mb.get("step")],
+                 "world_sizes": [ma.get("world_size"), mb.get("world_size")]})
+        return code
+    ui.echo(f"A  {pa}  (step {_step(ma.get('step'))}, world size {ma.get('world_size')})")
+    ui.echo(f"B  {pb}  (step {_step(mb.get('step'))}, world size {mb.get('world_size')})")
+    shown = results if args.all else differing
+    if shown:
+        ui.echo("")
+        ui.table(["TENSOR", "DTYPE", "SHAPE", "MAX |A-B|"],
+                 [[r["key"], r["dtype"], human.shape(r["shape"]),
+                   "0" if r["identical"] else f"{r['max_abs_diff']:.6g}"] for r in shown], right={3})
+    sections = [
+        ("only in A", [f"{k}  {ta[k]['dtype']} {human.shape(ta[k]['shape'])}" for k in only_a]),
+        ("only in B", [f"{k}  {tb[k]['dtype']} {human.shape(tb[k]['shape'])}" for k in only_b]),
+        ("dtype/shape differ", [f"{m['key']}  A {m['a']['dtype']} {human.shape(m['a']['shape'])}, "
+                                f"B {m['b']['dtype']} {human.shape(m['b']['shape'])}" for m in mismatched]),
+        ("values differ", [f"{v['key']}  A {_short(v['a'], 40)}, B {_short(v['b'], 40)}" for v in values]),
+        ("metadata differ", [f"{m['key']}  A {_short(m['a'], 40)}, B {_short(m['b'], 40)}" for m in meta]),
+    ]
+    for title, lines in sections:
+        if lines:
+            ui.echo("")
+            ui.echo(f"{title} ({len(lines)}):")
+            for line in lines:
+                ui.echo(f"  {line}")
+    ui.echo("")
+    if different:
+        ui.echo(f"different: {len(differing)} of {len(results)} compared tensor(s) differ"
+                + (f" beyond --atol {args.atol:g}" if args.atol else "")
+                + f", {len(only_a)} only in A, {len(only_b)} only in B, {len(mismatched)} dtype/shape, "
+                f"{len(values)} value(s), {len(meta)} metadata")
+    else:
+        ui.echo(f"identical: {len(results)} tensor(s), {len(va)} value(s)"
+                + (f" (within --atol {args.atol:g})" if any(not r["identical"] for r in results) else ""))
+    return code
+
+
+# --------------------------------------------------------------------------- consolidate
+
+
+def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
+    ckpt = os.path.abspath(args.ckpt)
+    out = os.path.abspath(args.output)
+    if os.path.isdir(out):
+        raise UsageError(f"{out} is a directory; give the output file name (OUT.safetensors)")
+    if os.path.lexists(out) and not args.overwrite:
+        raise CheckpointExists(f"{out} already exists; pass --overwrite to replace it")
+    man = open_manifest(ckpt)
+    plan = _consolidate_plan(man, args.only, ckpt)
+    total = sum(_tensor_nbytes(man["tensors"][key]) for _, key in plan)
+    with ui.progress(total, "consolidating") as advance:
+        _write_consolidated(ckpt, man, plan, out, args.only, advance)
+    ui.echo(f"wrote {out}: {len(plan)} tensor(s), {human.size(total)}"
+            + (f" (object {args.only!r}, names without the '{args.only}/' prefix)" if args.only else ""))
+    return 0
+
+
+def _consolidate_plan(man: dict[str, Any], only: str | None, ckpt: str) -> list[tuple[str, str]]:
+    """(output name, tensor key) pairs in state-dict order."""
+    if only is not None and only not in man["objects"]:
+        raise CheckpointNotFound(
+            f"{ckpt} has no object {only!r}; it has: {', '.join(man['objects']) or 'none'}", path=ckpt)
+    plan = []
+    for key in _tensor_order(man):
+        if only is None:
+            plan.append((key, key))
+        elif key == only:
+            plan.append((key, key))
+        elif key.startswith(only + "/"):
+            plan.append((key[len(only) + 1:], key))
+    return plan
+
+
+def _write_consolidated(ckpt: str, man: dict[str, Any], plan: list[tuple[str, str]], out: str,
+                        only: str | None, advance: Advance | None) -> None:
+    """Stream one tensor at a time into a standard safetensors file (peak memory: the largest
+    tensor), written to a temp file and renamed into place, so ``out`` is never half-written."""
+    import struct
+
+    from ._shardfile import tensor_bytes
+
+    recs = {key: man["tensors"][key] for _, key in plan}
+    # Descending element size keeps every tensor aligned (as safetensors.save_file does).
+    order = sorted(plan, key=lambda p: -torch_dtype(recs[p[1]]["dtype"]).itemsize)
+    values = {k: v for k, v in _values(man).items() if only is None or k.startswith(only + "/")}
+    meta = {"format": "pt"}
+    if man.get("step") is not None:
+        meta["safeckpt_step"] = str(man["step"])
+    if values:
+        prefix = f"{only}/" if only else ""
+        meta["safeckpt_values"] = json.dumps(_json_safe({k.removeprefix(prefix): v for k, v in values.items()}))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, key in order:
+        n = _tensor_nbytes(recs[key])
+        header[name] = {"dtype": recs[key]["dtype"], "shape": list(recs[key]["shape"]), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    reader = TensorReader(ckpt, man, rank=0, verify=True)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for _, key in order:
+                t = reader.new(key)
+                data = tensor_bytes(t)
+                if len(data) != _tensor_nbytes(recs[key]):
+                    raise CorruptCheckpoint(f"tensor {key!r} read back with the wrong size", path=ckpt)
+                f.write(data)
+                del t, data
+                if advance:
+                    advance(_tensor_nbytes(recs[key]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        fsync_dir(os.path.dirname(out))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        reader.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="safeckpt",
+        description="Inspect, verify, clean up, compare and export safeckpt checkpoints.",
+        epilog="Exit codes: 0 ok; 1 diff found differences (or an unexpected error); 2 usage error or "
+               "checkpoint not found; 5 corrupt; 7 root locked by a live writer; 8 output exists.",
+    )
+    p.add_argument("--version", action="version", version=f"safeckpt {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser("ls", help="list checkpoints, leftovers and the writer lease under ROOT",
+                       description="List what is under a checkpoint root: committed checkpoints (step, "
+                                   "time, size, world size, metrics), leftovers of interrupted saves, "
+                                   "corrupt or incomplete directories, and who holds the writer lease. "
+                                   "File sizes are always checked; --verify also checks every checksum.")
+    s.add_argument("root", metavar="ROOT")
+    s.add_argument("--verify", action="store_true", help="deep-check every committed checkpoint (reads all bytes)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_ls)
+
+    s = sub.add_parser("inspect", help="show a checkpoint's metadata and tensors",
+                       description="Show a checkpoint's metadata (step, world size, time, versions, user "
+                                   "metadata, metrics), its objects, and every tensor with dtype, shape, "
+                                   "size and scope. Reads only the manifest.")
+    s.add_argument("ckpt", metavar="CKPT")
+    s.add_argument("--values", action="store_true", help="also list non-tensor values (hyperparameters, counters)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("verify", help="check a checkpoint; exit 0 only when it is sound",
+                       description="Check a checkpoint: manifest, every file present with its size, every "
+                                   "tensor fully covered, and (--deep, the default) every file's checksum. "
+                                   "Exit 0 when sound, 5 when corrupt, 2 when there is no checkpoint.")
+    s.add_argument("ckpt", metavar="CKPT")
+    s.add_argument("--deep", action=argparse.BooleanOptionalAction, default=True,
+                   help="verify checksums of all bytes (default); --no-deep checks sizes only")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("gc", help="remove leftovers of crashed saves; optionally apply retention",
+                       description="Remove staging and trash leftovers of interrupted saves under ROOT. "
+                                   "With --keep-* rules, also delete committed step-* checkpoints that no "
+                                   "rule keeps (never the newest). Refuses while a live job holds the "
+                                   "writer lease, and never touches anything it does not recognise.")
+    s.add_argument("root", metavar="ROOT")
+    s.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N committed checkpoints")
+    s.add_argument("--keep-best", type=int, metavar="N", help="keep the N best by --best-metric")
+    s.add_argument("--best-metric", metavar="NAME", help="metric saved with each checkpoint (e.g. loss)")
+    s.add_argument("--best-mode", choices=("min", "max"), default="min", help="min (default) or max is best")
+    s.add_argument("--keep-every", type=int, metavar="N", help="keep every checkpoint whose step is a multiple of N")
+    s.add_argument("--dry-run", action="store_true", help="show what would be removed; remove nothing")
+    s.add_argument("--break-lock", action="store_true",
+                   help="remove the writer lease first, even if it looks live (only if that job is gone)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_gc)
+
+    s = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)",
+                       description="Compare two checkpoints: per-tensor max absolute difference, tensors "
+                                   "only in A or only in B, dtype/shape differences, differing non-tensor "
+                                   "values, metadata and metrics. Reads one tensor at a time. "
+                                   "Exit 0 when identical, 1 when different.")
+    s.add_argument("a", metavar="A")
+    s.add_argument("b", metavar="B")
+    s.add_argument("--atol", type=float, default=0.0, help="tensors within this max abs difference count as equal")
+    s.add_argument("--all", action="store_true", help="list every compared tensor, not only differing ones")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_diff)
+
+    s = sub.add_parser("consolidate", help="write one full state dict as a single safetensors file",
+                       description="Assemble every tensor (replicated, sharded or per-rank: rank 0's) into "
+                                   "one plain safetensors file, one tensor at a time (peak memory: the "
+                                   "largest tensor). With --only NAME, only that object, with names "
+                                   "relative to it ('model/layer.weight' -> 'layer.weight'), ready for "
+                                   "module.load_state_dict(safetensors.torch.load_file(OUT)) and "
+                                   "Hugging Face tools.")
+    s.add_argument("ckpt", metavar="CKPT")
+    s.add_argument("-o", "--output", required=True, metavar="OUT.safetensors")
+    s.add_argument("--only", metavar="NAME", help="one top-level object of the state, e.g. model")
+    s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    s.set_defaults(func=cmd_consolidate)
+    return p
+
+
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``safeckpt`` console script; returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return int(exc.code or 0)
+    ui = UI()
+    prog = f"safeckpt {args.command}"
+    try:
+        return int(args.func(args, ui))
+    except UsageError as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `safeckpt ls ROOT | head`
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
