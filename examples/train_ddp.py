@@ -121,62 +121,62 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed + 7919 * (rank + 1))
 
     state = {"model": model, "optim": opt, "sched": sched, "rng": safeckpt.RNGState()}
-    mgr = safeckpt.CheckpointManager(args.root, keep_last=args.keep_last,
-                                     async_save=args.async_save, timeout=args.timeout)
     summary: dict[str, object] = {"rank": rank, "pid": os.getpid(), "saves": []}
-
-    start = mgr.restore(state)
-    summary["resumed_from"] = start
-    if start is None:
-        start = 0
-        log(f"fresh start: no checkpoint under {args.root}; training steps 1..{args.steps} "
-            f"on {world} ranks")
-    else:
-        log(f"resumed from step {start} ({os.path.join(args.root, '')}); training steps "
-            f"{start + 1}..{args.steps} on {world} ranks")
-
-    def save(step: int, loss: float, why: str) -> None:
-        t0 = time.perf_counter()
-        info = mgr.save(step, state, metrics={"loss": loss})
-        ms = (time.perf_counter() - t0) * 1e3
-        summary["saves"].append(step)  # type: ignore[union-attr]
-        if info is not None:
-            log(f"step {step:4d}  loss {loss:.6f}  saved {os.path.basename(info.path)} "
-                f"({info.nbytes / 1024:.1f} KiB, {ms:.0f} ms){why}")
+    # Leaving the block closes the manager: it waits for a background save (raising its
+    # error) and releases the writer lease, also when training raised.
+    with safeckpt.CheckpointManager(args.root, keep_last=args.keep_last,
+                                    async_save=args.async_save, timeout=args.timeout) as mgr:
+        start = mgr.restore(state)
+        summary["resumed_from"] = start
+        if start is None:
+            start = 0
+            log(f"fresh start: no checkpoint under {args.root}; training steps 1..{args.steps} "
+                f"on {world} ranks")
         else:
-            log(f"step {step:4d}  loss {loss:.6f}  saving step {step} in the background "
-                f"(blocked {ms:.0f} ms){why}")
+            log(f"resumed from step {start} ({os.path.join(args.root, '')}); training steps "
+                f"{start + 1}..{args.steps} on {world} ranks")
 
-    step, loss_value, preempted = start, float("nan"), False
-    model.train()
-    for step in range(start + 1, args.steps + 1):
-        x, y = batch(args.seed, step, rank, args.batch_size)
-        if random.random() < 0.5:  # augmentation: Python RNG decides, torch RNG draws
-            x = x + 0.05 * torch.randn_like(x)
-        loss = F.mse_loss(model(x), y)  # dropout draws from the torch RNG
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        loss_value = mean.item() / world
-        if args.step_time:
-            time.sleep(args.step_time)
+        def save(step: int, loss: float, why: str) -> None:
+            t0 = time.perf_counter()
+            info = mgr.save(step, state, metrics={"loss": loss})
+            ms = (time.perf_counter() - t0) * 1e3
+            summary["saves"].append(step)  # type: ignore[union-attr]
+            if info is not None:
+                log(f"step {step:4d}  loss {loss:.6f}  saved {os.path.basename(info.path)} "
+                    f"({info.nbytes / 1024:.1f} KiB, {ms:.0f} ms){why}")
+            else:
+                log(f"step {step:4d}  loss {loss:.6f}  saving step {step} in the background "
+                    f"(blocked {ms:.0f} ms){why}")
 
-        if args.fail_at_step == step and rank == args.fail_rank:
-            raise RuntimeError(f"simulated crash on rank {rank} at step {step}")
-        if args.pid_dir and args.marker_step == step:
-            write_json(os.path.join(args.pid_dir, f"rank-{rank}.pid"), os.getpid())
+        step, loss_value, preempted = start, float("nan"), False
+        model.train()
+        for step in range(start + 1, args.steps + 1):
+            x, y = batch(args.seed, step, rank, args.batch_size)
+            if random.random() < 0.5:  # augmentation: Python RNG decides, torch RNG draws
+                x = x + 0.05 * torch.randn_like(x)
+            loss = F.mse_loss(model(x), y)  # dropout draws from the torch RNG
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            loss_value = mean.item() / world
+            if args.step_time:
+                time.sleep(args.step_time)
 
-        if mgr.preempted:  # True on every rank at the same step once any rank got SIGTERM
-            save(step, loss_value, "  <- preempted: saved and stopping")
-            preempted = True
-            break
-        if step % args.save_every == 0 or step == args.steps:
-            save(step, loss_value, "")
+            if args.fail_at_step == step and rank == args.fail_rank:
+                raise RuntimeError(f"simulated crash on rank {rank} at step {step}")
+            if args.pid_dir and args.marker_step == step:
+                write_json(os.path.join(args.pid_dir, f"rank-{rank}.pid"), os.getpid())
 
-    mgr.close()  # waits for a background save and reports its failure
+            if mgr.preempted:  # True on every rank at the same step once any rank got SIGTERM
+                save(step, loss_value, "  <- preempted: saved and stopping")
+                preempted = True
+                break
+            if step % args.save_every == 0 or step == args.steps:
+                save(step, loss_value, "")
+
     summary.update(stopped_at=step, preempted=preempted, got_signal=got_signal,
                    final_loss=loss_value, latest=getattr(mgr.latest(), "step", None))
     if preempted:
