@@ -43,8 +43,21 @@ class Entry:
     problem: str = ""
 
 
-def scan(root: str) -> list[Entry]:
-    """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent."""
+def scan(root: str, attempts: int = 10) -> list[Entry]:
+    """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent.
+
+    Lock-free against a concurrent writer: if an entry vanished between the listing and its
+    inspection (a staging dir just published, an old checkpoint just moved aside by retention),
+    the listing is stale and may miss the checkpoint that replaced it, so we list again.
+    """
+    for _ in range(attempts - 1):
+        out = _scan_once(root)
+        if out is not None:
+            return out
+    return _scan_once(root, retry=False) or []
+
+
+def _scan_once(root: str, retry: bool = True) -> list[Entry] | None:
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -53,6 +66,8 @@ def scan(root: str) -> list[Entry]:
     for name in sorted(names):
         path = os.path.join(root, name)
         if not os.path.isdir(path) or os.path.islink(path):
+            if retry and not os.path.lexists(path):
+                return None  # vanished while we looked
             continue
         leftover = _LEFTOVER_RE.match(name)
         if leftover:
@@ -63,11 +78,15 @@ def scan(root: str) -> list[Entry]:
         if step is None:
             continue  # foreign: not ours, never touched
         if not os.path.isfile(os.path.join(path, MANIFEST)):
+            if retry and not os.path.lexists(path):
+                return None
             out.append(Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}"))
             continue
         try:
             man = read_manifest(path)
         except FileNotFoundError:
+            if retry:
+                return None
             continue  # deleted while we looked
         except (CheckpointError, OSError) as exc:
             out.append(Entry(name, path, "corrupt", step, problem=str(exc)))
