@@ -16,6 +16,7 @@ import warnings
 from collections.abc import MutableMapping
 from typing import Any
 
+from . import _optim
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
 from ._reader import TensorReader, open_manifest
@@ -27,6 +28,7 @@ from ._tree import (
     encode_object,
     kind_of,
     merge_into,
+    param_names,
     tensor_keys,
     unwrap_module,
 )
@@ -60,7 +62,7 @@ def load(
             + "; ".join(bad)
         )
     manifest = opened[0]["manifest"]
-    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums)
+    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size)
     coord.run("plan", job.plan, hint="Nothing was loaded; the state is unchanged.")
     coord.run("read", job.read)
     return CheckpointInfo.from_manifest(target, manifest, skipped=tuple(job.skipped))
@@ -68,16 +70,19 @@ def load(
 
 class _LoadJob:
     def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
-                 strict: bool, rank: int, verify: bool) -> None:
+                 strict: bool, rank: int, verify: bool, world_size: int = 1) -> None:
         self.dir = ckpt_dir
         self.man = man
         self.state = state
         self.strict = strict
         self.rank = rank
+        self.world_size = world_size
         self.reader = TensorReader(ckpt_dir, man, rank=rank, verify=verify)
         self.skipped: list[str] = []
         self.targets: dict[str, dict[str, Leaf]] = {}
         self.trees: dict[str, Any] = {}
+        self.optim_plans: dict[str, _optim.OptimPlan] = {}
+        self._names: dict[int, str] | None = None
 
     def _tree_for(self, name: str, value: Any) -> Any | None:
         obj = self.man["objects"][name]
@@ -85,16 +90,23 @@ class _LoadJob:
         per_rank = bool(getattr(value, PER_RANK_ATTR, False)) or any(
             self.man["tensors"].get(k, {}).get("scope") == "per_rank" for k in tensor_keys(obj["tree"])
         )
+        # Rule for per-rank state across world sizes: rank r restores what rank r saved; ranks
+        # the saving run did not have keep their current state; extra saved copies are unused.
         if per_rank and self.rank >= saved_world:
             warnings.warn(
-                f"{name!r} is per-rank state saved by {saved_world} ranks; rank {self.rank} has no "
-                "saved copy and keeps its current state.", SafeckptWarning, stacklevel=4,
+                f"{name!r} is per-rank state saved by {saved_world} rank(s); rank {self.rank} has "
+                "no saved copy and keeps its current state.", SafeckptWarning, stacklevel=4,
             )
             return None
-        if per_rank and saved_world != int(os.environ.get("WORLD_SIZE", saved_world)) and self.rank == 0:
+        if per_rank and saved_world != self.world_size and self.rank == 0:
+            rule = f"rank r restores the state saved by rank r (r < {min(saved_world, self.world_size)})"
+            if self.world_size > saved_world:
+                rule += f"; ranks {saved_world}-{self.world_size - 1} keep their current state"
+            else:
+                rule += f"; the copies saved by ranks {self.world_size}-{saved_world - 1} are not used"
             warnings.warn(
-                f"{name!r} is per-rank state saved by {saved_world} ranks; ranks that exist in both "
-                "runs get their own saved copy.", SafeckptWarning, stacklevel=4,
+                f"{name!r} is per-rank state saved by {saved_world} rank(s) and loaded by "
+                f"{self.world_size}: {rule}.", SafeckptWarning, stacklevel=4,
             )
         return obj.get("rank_trees", {}).get(str(self.rank), obj["tree"])
 
@@ -114,6 +126,15 @@ class _LoadJob:
             self.trees[name] = tree
             kind = kind_of(value)
             if kind == "stateful":
+                if _optim.needs_mapping(value, tree):
+                    if self._names is None:
+                        self._names = param_names(self.state)
+                    plan, optim_problems = _optim.plan_load(name, value, tree, self._names, self.reader.record)
+                    problems += optim_problems
+                    if plan is None:
+                        del self.trees[name]  # not loadable: skipped on a non-strict load
+                    else:
+                        self.optim_plans[name] = plan
                 continue
             leaves: list[Leaf] = []
             encode_object(name, value, leaves)
@@ -152,7 +173,10 @@ class _LoadJob:
                 value = self.state[name]
                 kind = kind_of(value)
                 if kind == "stateful":
-                    sd = decode(tree, self.reader.new)
+                    if name in self.optim_plans:
+                        sd = _optim.build_state_dict(self.optim_plans[name], self.reader)
+                    else:
+                        sd = decode(tree, self.reader.new)
                     try:
                         value.load_state_dict(sd)
                     except Exception as exc:

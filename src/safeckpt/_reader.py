@@ -9,10 +9,12 @@ costs only what the new shard needs. Chunks read whole are verified against thei
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
 import torch
+import xxhash
 
 from ._manifest import safe_file_path, torch_dtype
 from ._shardfile import MappedFile
@@ -30,6 +32,19 @@ def local_box(t: torch.Tensor) -> Box:
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         return [list(offset), list(shape)]
     return [[0] * t.dim(), list(t.shape)]
+
+
+def placement_of(t: torch.Tensor) -> dict[str, Any] | None:
+    """How a DTensor is laid out (recorded in the manifest for information; reading needs only
+    each chunk's box): mesh shape and dim names, and one placement per mesh dim."""
+    if not is_dtensor(t):
+        return None
+    mesh = t.device_mesh
+    return {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "placements": [str(p) for p in t.placements],
+    }
 
 
 def _intersect(a: Box, b: Box) -> tuple[list[int], list[int]] | None:
@@ -52,6 +67,7 @@ class TensorReader:
         self.rank = rank
         self.verify = verify
         self._files: dict[str, MappedFile] = {}
+        self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
 
     def _file(self, name: str) -> MappedFile:
         if name not in self._files:
@@ -66,11 +82,17 @@ class TensorReader:
             raise CorruptCheckpoint(f"manifest tree refers to tensor {key!r} that it does not describe", path=self.dir) from None
 
     def fill(self, key: str, dst: torch.Tensor) -> None:
-        """Copy the stored tensor ``key`` into ``dst`` (a tensor or DTensor) in place."""
+        """Copy the stored tensor ``key`` into ``dst`` (a tensor or DTensor) in place.
+
+        A DTensor gets only its local shard, read from the chunks that overlap it.
+        """
+        self.fill_box(key, dst.to_local() if is_dtensor(dst) else dst, local_box(dst))
+
+    def fill_box(self, key: str, local: torch.Tensor, box: Box) -> None:
+        """Copy the region ``box`` ([global offsets, sizes]) of the stored tensor ``key`` into
+        the plain tensor ``local`` (of shape ``box[1]``), touching only overlapping bytes."""
         rec = self.record(key)
         dtype = torch_dtype(rec["dtype"])
-        box = local_box(dst)
-        local = dst.to_local() if is_dtensor(dst) else dst
         chunks = rec["chunks"]
         if rec.get("scope") == "per_rank":
             chunks = [c for c in chunks if c.get("rank") == self.rank]
@@ -100,11 +122,51 @@ class TensorReader:
                 for a, b in zip(lo, hi, strict=True):
                     n *= b - a
                 covered += n
+                self.nbytes_read += n * src.element_size()
         if covered < local.numel():
             raise CorruptCheckpoint(
                 f"tensor {key!r}: the checkpoint's chunks cover {covered} of {local.numel()} "
                 "elements needed here", path=self.dir,
             )
+
+    def verify_chunks(self, key: str, window: int = 64 << 20) -> None:
+        """Check every chunk of ``key`` against its checksum, ``window`` bytes at a time, dropping
+        the mapped pages after each window (so memory stays bounded for any chunk size).
+
+        :meth:`fill_box` verifies only chunks it reads whole; streaming readers that cut chunks
+        into pieces call this first."""
+        rec = self.record(key)
+        for c in rec["chunks"]:
+            expect, start, end = c.get("xxh3_64"), c["start"], c["end"]
+            if expect is None or end <= start:
+                continue
+            mm = getattr(self._file(c["file"]), "_mm", None)
+            if mm is None:
+                continue
+            h = xxhash.xxh3_64()
+            view = memoryview(mm)
+            try:
+                for off in range(start, end, window):
+                    h.update(view[off : min(off + window, end)])
+                    self.release()
+            finally:
+                view.release()
+            if h.hexdigest() != expect:
+                raise CorruptCheckpoint(
+                    f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): the "
+                    "file is corrupt.", path=self.dir,
+                )
+
+    def release(self) -> None:
+        """Drop the pages of the mapped files from this process's memory (they stay in the page
+        cache and are read again on demand). Streaming readers call this between pieces."""
+        for f in self._files.values():
+            mm = getattr(f, "_mm", None)
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED)
+                except OSError:  # pragma: no cover - best effort
+                    pass
 
     def new(self, key: str) -> torch.Tensor:
         """The stored tensor ``key`` as a fresh CPU tensor (full, unsharded)."""

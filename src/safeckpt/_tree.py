@@ -19,7 +19,7 @@ components joined with ``/`` (``model/layer.weight``, ``optim/state/0/exp_avg``)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,12 +95,66 @@ def kind_of(value: Any) -> str:
     return "tree"
 
 
-def state_dict_of(kind: str, value: Any) -> Any:
+def state_dict_of(kind: str, value: Any, param_names: Mapping[int, str] | None = None) -> Any:
     if kind == "module":
         return unwrap_module(value).state_dict()
     if kind == "stateful":
+        if param_names is not None and isinstance(value, torch.optim.Optimizer):
+            return optimizer_state_dict(value, param_names)
         return value.state_dict()
     return value
+
+
+def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in state_dict order (groups in order, params in order)."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def param_names(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(parameter) -> name`` over every module in ``state`` (names as in its state_dict).
+
+    A name that two different parameters would share (two modules with the same layout) is
+    left out, so such optimizers keep the positional (param id) keys.
+    """
+    names: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    clash: set[str] = set()
+    for value in state.values():
+        if not isinstance(value, nn.Module):
+            continue
+        for fqn, p in unwrap_module(value).named_parameters(remove_duplicate=False):
+            if fqn in seen and seen[fqn] != id(p):
+                clash.add(fqn)
+            seen[fqn] = id(p)
+            names.setdefault(id(p), fqn)
+    return {pid: fqn for pid, fqn in names.items() if fqn not in clash}
+
+
+def optimizer_state_dict(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> Any:
+    """``opt.state_dict()``, keyed by parameter name (FQN) when its parameters are DTensors.
+
+    FSDP2/DTensor optimizers are saved keyed by FQN, like
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (``{"state": {fqn:
+    {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``), so they load onto another world
+    size, into a plain optimizer and back, and match DCP checkpoints. That function is not used
+    because it runs a zero-lr ``step()`` on an optimizer with empty state (before the first
+    step), which would change the training run being checkpointed. Plain optimizers keep
+    ``state_dict()``'s integer keys (the layout of non-sharded checkpoints is unchanged).
+    """
+    sd = opt.state_dict()
+    params = optimizer_params(opt)
+    if not any(is_dtensor(p) for p in params):
+        return sd
+    fqns = [names.get(id(p)) for p in params]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    if None in fqns or len(set(fqns)) != len(fqns) or len(ids) != len(fqns):
+        return sd
+    to_fqn = dict(zip(ids, fqns, strict=True))
+    return {
+        **sd,
+        "state": {to_fqn[i]: st for i, st in sd["state"].items()},
+        "param_groups": [{**g, "params": [to_fqn[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
 
 
 def check_name(name: Any) -> str:
@@ -111,11 +165,16 @@ def check_name(name: Any) -> str:
     return name
 
 
-def encode_object(name: str, value: Any, leaves: list[Leaf]) -> EncodedObject:
-    """Encode one top-level entry, appending its tensors to ``leaves``."""
+def encode_object(name: str, value: Any, leaves: list[Leaf],
+                  param_names: Mapping[int, str] | None = None) -> EncodedObject:
+    """Encode one top-level entry, appending its tensors to ``leaves``.
+
+    ``param_names`` (from :func:`param_names` of the whole state) lets optimizers over DTensor
+    parameters be keyed by parameter name instead of position.
+    """
     kind = kind_of(value)
     per_rank = bool(getattr(value, PER_RANK_ATTR, False))
-    tree = _encode(state_dict_of(kind, value), [name], leaves, per_rank)
+    tree = _encode(state_dict_of(kind, value, param_names), [name], leaves, per_rank)
     return EncodedObject(name, kind, tree)
 
 
