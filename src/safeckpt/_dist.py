@@ -156,6 +156,11 @@ class Coordinator:
         else:
             results = self._exchange(phase, payload)
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
+        if failures and self.world_size == 1:
+            if isinstance(local_exc, CheckpointError):
+                raise local_exc
+            text = f"{self.what} failed during {phase!r}: {_one_line(failures[0])}"
+            raise RankFailure("\n".join([text] + ([hint] if hint else [])), {0: _one_line(failures[0])}) from local_exc
         if failures:
             raise self._error(phase, failures, hint) from local_exc
         return [res["value"] for res in results]
@@ -176,9 +181,6 @@ class Coordinator:
         if len(kinds) == 1 and None not in kinds:
             (kind,) = kinds
             cls = next(c for c in PORTABLE_ERRORS if c.__name__ == kind)
-            # Same error everywhere: keep the message readable (no rank list for one rank).
-            if self.world_size == 1:
-                text = failures[0]["message"]
             err = cls.__new__(cls)
             Exception.__init__(err, text)
             if not hasattr(err, "path"):
