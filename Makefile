@@ -1,4 +1,5 @@
-# `make demo` and `make test` each build .venv on first use (torch pinned to the CPU 2.13.0 build).
+# `make demo` and `make test` each build .venv on first use (torch pinned to 2.13.0; pip's
+# find-links on these machines serve its CPU wheel from /opt/wheels).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -66,7 +66,7 @@ def fsync_dir(path: str) -> None:
 def write_json_atomic(path: str, obj: Any) -> None:
     """Write JSON to a sibling temp file, fsync, rename over ``path``, fsync the directory."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    data = json.dumps(obj, indent=1, sort_keys=False).encode()
+    data = json.dumps(obj, separators=(",", ":")).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, data)

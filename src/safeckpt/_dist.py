@@ -194,14 +194,13 @@ class Coordinator:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
-                        mark=False)
+        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
         return bool(t.item())
 
     def _exchange(self, phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         return self._transport(phase, lambda group: self._all_gather_json(payload, group))
 
-    def _transport(self, phase: str, op: Callable[[Any], Any], *, mark: bool = True) -> Any:
+    def _transport(self, phase: str, op: Callable[[Any], Any]) -> Any:
         state = self._state
         assert state is not None
         if state.broken:
@@ -211,18 +210,17 @@ class Coordinator:
                 "(the last committed checkpoint is intact).",
             )
         state.seq += 1
-        marker = f"safeckpt/{state.uid}/{state.seq}"
-        if mark:
-            self._mark_arrival(marker)
+        marker = f"safeckpt/{state.uid}/arrived"
+        self._mark_arrival(marker, state.seq)
         try:
             return op(state.group)
         except Exception as exc:  # transport failure: dead, hung or absent peer
             state.broken = f"{phase!r}: {str(exc).splitlines()[0][:200]}"
-            raise self._lost_peers(phase, marker if mark else None, exc) from exc
+            raise self._lost_peers(phase, marker, exc, state.seq) from exc
 
-    def _lost_peers(self, phase: str, marker: str | None, exc: BaseException) -> RankFailure:
+    def _lost_peers(self, phase: str, marker: str, exc: BaseException, seq: int = 1) -> RankFailure:
         """The RankFailure for a transport failure: names the ranks that never reached ``marker``."""
-        missing = self._missing_ranks(marker) if marker else []
+        missing = self._missing_ranks(marker, seq)
         if missing:
             who = ", ".join(map(str, missing))
             text = (
@@ -241,17 +239,26 @@ class Coordinator:
             failures = {}
         return RankFailure(text, failures)
 
-    def _mark_arrival(self, marker: str) -> None:
+    def _mark_arrival(self, marker: str, seq: int = 1) -> None:
+        """Record in the job's store that this rank reached collective ``seq`` of ``marker``.
+
+        One key per rank, overwritten each time, so calling this every step stores nothing new.
+        """
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"{marker}/{self.rank}", "1")
+            store.set(f"{marker}/{self.rank}", str(seq))
         except Exception:
             pass
 
-    def _missing_ranks(self, marker: str) -> list[int]:
+    def _missing_ranks(self, marker: str, seq: int = 1) -> list[int]:
         try:
             store = dist.distributed_c10d._get_default_store()
-            return [r for r in range(self.world_size) if not store.check([f"{marker}/{r}"])]
+            missing = []
+            for r in range(self.world_size):
+                key = f"{marker}/{r}"
+                if not store.check([key]) or int(store.get(key).decode()) < seq:
+                    missing.append(r)
+            return missing
         except Exception:
             # The store lives on rank 0; if it is unreachable, rank 0 is the likely casualty.
             return [0] if self.rank != 0 else []
