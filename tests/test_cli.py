@@ -91,7 +91,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 def test_help_lists_every_command_and_version(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for command in ("ls", "inspect", "verify", "gc", "diff", "consolidate"):
+    for command in ("ls", "inspect", "verify", "gc", "diff", "consolidate", "convert"):
         assert command in out
     code, out, _ = run(capsys, "--version")
     assert code == 0 and safeckpt.__version__ in out
@@ -467,11 +467,71 @@ def test_consolidate_everything_and_errors(capsys, ckpts, tmp_path):
         assert torch.equal(full[k], expect[k]), k
     with safe_open(str(out_file), "pt") as f:
         meta = f.metadata()
-    assert meta["safeckpt_step"] == "20"
-    assert json.loads(meta["safeckpt_values"])["optim/param_groups/0/lr"] == 1e-3
+    assert meta["safeckpt.step"] == "20"
+    assert json.loads(meta["safeckpt.values"])["optim/param_groups"][0]["lr"] == 1e-3
 
     code, _, err = run(capsys, "consolidate", step20, "-o", tmp_path / "x.safetensors", "--only", "nope")
-    assert code == 2 and "model" in err and not (tmp_path / "x.safetensors").exists()
+    assert code == 1 and "model" in err and not (tmp_path / "x.safetensors").exists()
     code, _, err = run(capsys, "consolidate", ckpts["bad"], "-o", tmp_path / "y.safetensors")
     assert code == 5 and not (tmp_path / "y.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.safetensors"]
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def test_convert_to_hugging_face_single_and_sharded(capsys, ckpts, tmp_path):
+    out_dir = tmp_path / "hf"
+    code, out, _ = run(capsys, "convert", ckpts["a"], out_dir, "--to", "hf")
+    assert code == 0 and "model.safetensors" in out
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    fresh.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=True)
+
+    code, _, err = run(capsys, "convert", ckpts["a"], out_dir, "--to", "hf")
+    assert code == 8 and "overwrite" in err
+    code, _, _ = run(capsys, "convert", ckpts["a"], out_dir, "--to", "hf", "--max-shard-size", "300", "--overwrite")
+    assert code == 0
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    merged = {}
+    for fname in set(index["weight_map"].values()):
+        merged.update(load_file(str(out_dir / fname)))
+    assert set(merged) == set(index["weight_map"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert not (out_dir / "model.safetensors").exists()  # the earlier single file was replaced
+
+    code, _, err = run(capsys, "convert", ckpts["a"], out_dir, "--to", "hf", "--max-shard-size", "lots")
+    assert code == 2 and "size" in err
+
+
+def test_convert_from_torch_save_needs_allow_pickle(capsys, tmp_path):
+    model = _model()
+    src = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "epoch": 7}, src)
+    code, _, err = run(capsys, "convert", src, tmp_path / "imported", "--from", "torch-save")
+    assert code == 1 and "--allow-pickle" in err and not (tmp_path / "imported").exists()
+    code, out, _ = run(capsys, "convert", src, tmp_path / "imported", "--from", "torch-save", "--allow-pickle")
+    assert code == 0 and "safeckpt checkpoint" in out
+    assert run(capsys, "verify", tmp_path / "imported")[0] == 0
+    flat = safeckpt.read_state_dict(tmp_path / "imported")
+    assert flat["epoch"] == 7 and torch.equal(flat["model/0.weight"], model.state_dict()["0.weight"])
+    code, _, err = run(capsys, "convert", src, tmp_path / "x", "--from", "torch-save", "--only", "model")
+    assert code == 2 and "--to hf" in err
+
+
+def test_convert_from_dcp(capsys, tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "extra": {"epoch": 3}}, checkpoint_id=str(tmp_path / "dcp"))
+    code, _, _ = run(capsys, "convert", tmp_path / "dcp", tmp_path / "imported", "--from", "dcp")
+    assert code == 0
+    code, out, _ = run(capsys, "consolidate", tmp_path / "imported", "-o", tmp_path / "m.safetensors", "--only", "model")
+    assert code == 0
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    code, _, err = run(capsys, "convert", tmp_path / "nothing", tmp_path / "x", "--from", "dcp")
+    assert code == 2 and ".metadata" in err

@@ -9,11 +9,12 @@ Commands (``safeckpt COMMAND --help`` for options)::
     diff A B             per-tensor max |A-B|, keys only on one side, shape/dtype/value differences
     consolidate CKPT -o OUT.safetensors
                          one full (unsharded) state dict in a plain safetensors file
+    convert SRC DST      import DCP / torch.save (--from), export to Hugging Face (--to hf)
 
 Exit codes: 0 success (sound, identical, done); 1 ``diff`` found differences, or an unexpected
 error; 2 usage error or no checkpoint at the path (CheckpointNotFound); 5 the checkpoint is
 corrupt (``verify``); 7 a live writer holds the root (``gc`` refuses); 8 the output exists
-(``consolidate`` without --overwrite); 130 interrupted. Every error is one line on stderr, and
+(``consolidate``/``convert`` without --overwrite); 130 interrupted. Every error is one line on stderr, and
 a :class:`~safeckpt.CheckpointError` exits with its class's ``exit_code``.
 
 The CLI reads checkpoints without a process group and never takes the writer lease, except
@@ -41,7 +42,7 @@ from typing import Any
 from . import __version__
 from . import _humanize as human
 from ._catalog import Entry, scan
-from ._commit import fsync_dir, remove_tree
+from ._commit import remove_tree
 from ._lock import LOCK_NAME, RootLock, holder_is_live, read_lock
 from ._manifest import MANIFEST, CheckpointInfo, read_manifest, safe_file_path, torch_dtype
 from ._offline import VerifyReport, verify
@@ -718,93 +719,88 @@ def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
     return code
 
 
-# --------------------------------------------------------------------------- consolidate
+# --------------------------------------------------------------------------- consolidate, convert
+
+
+def _bytes_progress(advance: Advance | None) -> Callable[[int, int, str], None] | None:
+    """Adapt a byte-counting bar to _convert's ``progress(done, total, name)`` callback."""
+    if advance is None:
+        return None
+    last = 0
+
+    def report(done: int, total: int, name: str) -> None:
+        nonlocal last
+        advance(done - last)
+        last = done
+
+    return report
+
+
+def _selected_nbytes(ckpt: str, only: str | None) -> int:
+    """Tensor bytes that consolidate/export will write (raises early when ``only`` matches nothing)."""
+    from ._convert import _select
+
+    man = open_manifest(ckpt)
+    tensors, _ = _select(man, only)
+    return sum(_tensor_nbytes(man["tensors"][key]) for _, key in tensors)
+
+
+def _output_file(path: str, overwrite: bool) -> str:
+    out = os.path.abspath(path)
+    if os.path.isdir(out):
+        raise UsageError(f"{out} is a directory; give the output file name (OUT.safetensors)")
+    if os.path.lexists(out) and not overwrite:
+        raise CheckpointExists(f"{out} already exists; pass --overwrite to replace it")
+    return out
 
 
 def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
+    from ._convert import consolidate
+
     ckpt = os.path.abspath(args.ckpt)
-    out = os.path.abspath(args.output)
-    if os.path.isdir(out):
-        raise UsageError(f"{out} is a directory; give the output file name (OUT.safetensors)")
-    if os.path.lexists(out) and not args.overwrite:
-        raise CheckpointExists(f"{out} already exists; pass --overwrite to replace it")
-    man = open_manifest(ckpt)
-    plan = _consolidate_plan(man, args.only, ckpt)
-    total = sum(_tensor_nbytes(man["tensors"][key]) for _, key in plan)
+    out = _output_file(args.output, args.overwrite)
+    total = _selected_nbytes(ckpt, args.only)
     with ui.progress(total, "consolidating") as advance:
-        _write_consolidated(ckpt, man, plan, out, args.only, advance)
-    ui.echo(f"wrote {out}: {len(plan)} tensor(s), {human.size(total)}"
-            + (f" (object {args.only!r}, names without the '{args.only}/' prefix)" if args.only else ""))
+        written = consolidate(ckpt, out, only=args.only, progress=_bytes_progress(advance))
+    ui.echo(f"wrote {written.path}: {len(written.names)} tensor(s), {human.size(written.nbytes)}"
+            + (f" (only {args.only!r}, names without the '{args.only.strip('/')}/' prefix)" if args.only else ""))
     return 0
 
 
-def _consolidate_plan(man: dict[str, Any], only: str | None, ckpt: str) -> list[tuple[str, str]]:
-    """(output name, tensor key) pairs in state-dict order."""
-    if only is not None and only not in man["objects"]:
-        raise CheckpointNotFound(
-            f"{ckpt} has no object {only!r}; it has: {', '.join(man['objects']) or 'none'}", path=ckpt)
-    plan = []
-    for key in _tensor_order(man):
-        if only is None:
-            plan.append((key, key))
-        elif key == only:
-            plan.append((key, key))
-        elif key.startswith(only + "/"):
-            plan.append((key[len(only) + 1:], key))
-    return plan
+def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
+    from . import _convert
 
-
-def _write_consolidated(ckpt: str, man: dict[str, Any], plan: list[tuple[str, str]], out: str,
-                        only: str | None, advance: Advance | None) -> None:
-    """Stream one tensor at a time into a standard safetensors file (peak memory: the largest
-    tensor), written to a temp file and renamed into place, so ``out`` is never half-written."""
-    import struct
-
-    from ._shardfile import tensor_bytes
-
-    recs = {key: man["tensors"][key] for _, key in plan}
-    # Descending element size keeps every tensor aligned (as safetensors.save_file does).
-    order = sorted(plan, key=lambda p: -torch_dtype(recs[p[1]]["dtype"]).itemsize)
-    values = {k: v for k, v in _values(man).items() if only is None or k.startswith(only + "/")}
-    meta = {"format": "pt"}
-    if man.get("step") is not None:
-        meta["safeckpt_step"] = str(man["step"])
-    if values:
-        prefix = f"{only}/" if only else ""
-        meta["safeckpt_values"] = json.dumps(_json_safe({k.removeprefix(prefix): v for k, v in values.items()}))
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name, key in order:
-        n = _tensor_nbytes(recs[key])
-        header[name] = {"dtype": recs[key]["dtype"], "shape": list(recs[key]["shape"]), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-
-    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
-    reader = TensorReader(ckpt, man, rank=0, verify=True)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for _, key in order:
-                t = reader.new(key)
-                data = tensor_bytes(t)
-                if len(data) != _tensor_nbytes(recs[key]):
-                    raise CorruptCheckpoint(f"tensor {key!r} read back with the wrong size", path=ckpt)
-                f.write(data)
-                del t, data
-                if advance:
-                    advance(_tensor_nbytes(recs[key]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_dir(os.path.dirname(out))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    finally:
-        reader.close()
+    src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
+    if args.to == "hf":
+        if args.entry or args.allow_pickle or args.no_weights_only:
+            raise UsageError("--entry, --allow-pickle and --no-weights-only are for --from (imports)")
+        only = "model" if args.only is None else args.only
+        try:
+            limit = _convert.parse_size(args.max_shard_size or "5GB")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if limit <= 0:
+            raise UsageError(f"--max-shard-size must be positive, got {args.max_shard_size!r}")
+        total = _selected_nbytes(src, only)
+        with ui.progress(total, "exporting") as advance:
+            paths = _convert.export_hf(src, dst, only=only, max_shard_size=limit,
+                                       overwrite=args.overwrite, progress=_bytes_progress(advance))
+        for path in paths:
+            ui.echo(f"wrote {path}")
+        return 0
+    if args.only is not None or args.max_shard_size is not None:
+        raise UsageError("--only and --max-shard-size are for --to hf (exports)")
+    if args.from_ == "dcp":
+        if args.no_weights_only:
+            raise UsageError("--no-weights-only is for --from torch-save")
+        info = _convert.import_dcp(src, dst, entry=args.entry, allow_pickle=args.allow_pickle,
+                                   overwrite=args.overwrite)
+    else:
+        info = _convert.import_torch_save(src, dst, allow_pickle=args.allow_pickle, entry=args.entry,
+                                          weights_only=not args.no_weights_only, overwrite=args.overwrite)
+    ui.echo(f"wrote {info.path}: safeckpt checkpoint, {human.size(info.nbytes)} "
+            f"(check it with `safeckpt inspect {dst}`)")
+    return 0
 
 
 # --------------------------------------------------------------------------- main
@@ -890,6 +886,32 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--only", metavar="NAME", help="one top-level object of the state, e.g. model")
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     s.set_defaults(func=cmd_consolidate)
+
+    s = sub.add_parser("convert", help="import DCP / torch.save into safeckpt, or export to Hugging Face",
+                       description="Import a torch.distributed.checkpoint directory (--from dcp) or a "
+                                   "torch.save file (--from torch-save; a pickle, so only with "
+                                   "--allow-pickle) into a safeckpt checkpoint at DST, or export a "
+                                   "safeckpt checkpoint's model to Hugging Face style safetensors in the "
+                                   "directory DST (--to hf: model.safetensors, or shards plus "
+                                   "model.safetensors.index.json above --max-shard-size). Runs in one "
+                                   "process, no torchrun.")
+    s.add_argument("src", metavar="SRC")
+    s.add_argument("dst", metavar="DST")
+    way = s.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from", dest="from_", choices=("dcp", "torch-save"), help="import SRC of this format")
+    way.add_argument("--to", choices=("hf",), help="export SRC (a safeckpt checkpoint) to this format")
+    s.add_argument("--entry", metavar="NAME", help="import: store the whole loaded state under this one entry")
+    s.add_argument("--allow-pickle", action="store_true",
+                   help="import: allow unpickling (required for torch.save files; for DCP, allows "
+                        "custom pickled values). Only for files you trust")
+    s.add_argument("--no-weights-only", action="store_true",
+                   help="torch-save import: torch.load(weights_only=False), arbitrary objects (runs "
+                        "arbitrary unpickling; trusted files only)")
+    s.add_argument("--only", metavar="NAME", help="export: the entry to export (default model)")
+    s.add_argument("--max-shard-size", metavar="SIZE",
+                   help="export: largest file before sharding, bytes or e.g. 5GB, 500MiB (default 5GB)")
+    s.add_argument("--overwrite", action="store_true", help="replace what is at DST")
+    s.set_defaults(func=cmd_convert)
     return p
 
 
