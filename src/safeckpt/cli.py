@@ -117,8 +117,7 @@ class UI:
     def json(self, obj: Any) -> None:
         print(json.dumps(_json_safe(obj), indent=2), file=self.out)
 
-    def table(self, headers: list[str], rows: list[list[str]], *, right: frozenset[int] | set[int] = frozenset(),
-              title: str | None = None) -> None:
+    def table(self, headers: list[str], rows: list[list[str]], *, right: frozenset[int] | set[int] = frozenset()) -> None:
         if _isatty(self.out):
             rich = _rich()
             if rich is None:
@@ -127,15 +126,13 @@ class UI:
                 from rich.console import Console
                 from rich.table import Table
 
-                t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+                t = Table(show_edge=False, pad_edge=False)
                 for i, h in enumerate(headers):
                     t.add_column(h, justify="right" if i in right else "left", no_wrap=i == 0, overflow="fold")
                 for r in rows:
                     t.add_row(*r)
                 Console(file=self.out).print(t)
                 return
-        if title:
-            self.echo(title)
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
         def line(cells: list[str]) -> str:
