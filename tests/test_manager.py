@@ -504,3 +504,24 @@ def test_listing_racing_publish_and_retention_never_misses_the_newest(tmp_path, 
     assert raced, "the race was not exercised"
     assert info is not None and info.step == 2
     assert flat_step(safeckpt.read_state_dict(info.path)) == 2
+
+
+def test_read_of_checkpoint_deleted_mid_open_says_not_found(tmp_path, monkeypatch):
+    """read_state_dict racing retention: the directory passes the existence checks, then is
+    moved aside before the manifest is opened. The reader must get CheckpointNotFound (a
+    safeckpt error it can count and retry), never a raw OSError."""
+    import safeckpt._manifest as manifest_mod
+
+    root = tmp_path / "ckpts"
+    mgr = CheckpointManager(root, keep_last=None, preemption_signals=())
+    info = mgr.save(3, make_state(3))
+    mgr.close()
+    real = manifest_mod.read_manifest
+
+    def racing_read_manifest(path):
+        os.rename(path, root / ".step-0000000003.safeckpt-trash-0123abcd")  # retention
+        return real(path)
+
+    monkeypatch.setattr(manifest_mod, "read_manifest", racing_read_manifest)
+    with pytest.raises(CheckpointNotFound):
+        safeckpt.read_state_dict(info.path)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpoint
+from .errors import CheckpointNotFound, CorruptCheckpoint
 
 FORMAT = "safeckpt"
 FORMAT_VERSION = 1
@@ -107,7 +107,8 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise
+        # Deleted (e.g. by retention) after the caller saw it: a safeckpt error, not a raw OSError.
+        raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir) from None
     try:
         man = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
