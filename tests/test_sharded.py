@@ -6,8 +6,10 @@ Scenarios are combined into few real gloo runs (a spawn costs seconds):
 - 2 ranks: ``plain`` -> FSDP2 (plain -> sharded), train, save ``fsdp2`` and ``fresh`` (an
   optimizer before its first step);
 - 4 ranks: ``fsdp2`` -> FSDP2 (2 -> 4, per-rank RNG 2 -> 4, bytes read == own shards), train,
-  save ``fsdp4``; ``fresh`` -> FSDP2 optimizer with state (empty state restored);
+  save ``fsdp4``; ``fresh`` -> FSDP2 optimizer with state (empty state restored); save an
+  HSDP model (2x2 mesh, replicated shards written once, spread over the replicas) as ``hsdp``;
 - 2 ranks: ``fsdp4`` -> FSDP2 (4 -> 2) and -> plain modules on each rank, then a training step;
+  ``hsdp`` -> FSDP2;
 - the test process: ``fsdp4`` -> plain module + AdamW (4 -> 1, no process group).
 
 After each load, full values (params, exp_avg, exp_avg_sq, step) are compared bit for bit with
@@ -38,11 +40,15 @@ def _model(seed: int) -> nn.Module:
     return m
 
 
-def _fsdp(seed: int, world: int) -> nn.Module:
+def _fsdp(seed: int, world: int, hsdp: bool = False) -> nn.Module:
+    """FSDP2 over all ranks, or with ``hsdp`` HSDP on a (2, world/2) mesh: shards replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     m = _model(seed)
     for layer in (m[0], m[2], m[4]):
         fully_shard(layer, mesh=mesh)
@@ -175,10 +181,16 @@ def _run_4_ranks(rank, world, root):
     safeckpt.load(os.path.join(root, "fresh"), {"model": model, "optim": opt})
     fresh_empty = len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.02
     fresh = full_state(model, None)
+    # HSDP (replicated shards): each distinct shard is written once
+    hsdp = _fsdp(seed=21, world=world, hsdp=True)
+    hsdp_opt = torch.optim.AdamW(hsdp.parameters(), lr=0.01)
+    _train(hsdp, hsdp_opt, 1, seed=21, rank=rank // 2)
+    safeckpt.save(os.path.join(root, "hsdp"), {"model": hsdp, "optim": hsdp_opt})
+    hsdp_saved = full_state(hsdp, hsdp_opt)
     out = {"rng_msgs": rng_msgs, "rng_kept": rng_kept, "rng_next": rng_next, "nread": nread,
            "need": need, "epoch": state["epoch"], "fresh_empty": fresh_empty}
     if rank == 0:
-        out.update(loaded=loaded, saved=saved, fresh=fresh)
+        out.update(loaded=loaded, saved=saved, fresh=fresh, hsdp_saved=hsdp_saved)
     return _portable(out)
 
 
@@ -200,9 +212,14 @@ def _run_2_ranks_load(rank, world, root):
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.05)
     safeckpt.load(os.path.join(root, "fsdp4"), {"model": plain, "optim": plain_opt, "rng": safeckpt.RNGState(), "epoch": 0})
     plain_loaded = full_state(plain, plain_opt)
+    # HSDP on 4 ranks -> FSDP2 on 2
+    model = _fsdp(seed=22, world=world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    safeckpt.load(os.path.join(root, "hsdp"), {"model": model, "optim": opt})
+    hsdp_loaded = full_state(model, opt)
     out = {"msgs": msgs, "nread": nread, "need": need, "steps": steps}
     if rank == 0:
-        out.update(fsdp_loaded=fsdp_loaded, plain_loaded=plain_loaded)
+        out.update(fsdp_loaded=fsdp_loaded, plain_loaded=plain_loaded, hsdp_loaded=hsdp_loaded)
     return _portable(out)
 
 
@@ -276,10 +293,22 @@ def test_fsdp2_reshard_2_4_2_1_and_plain(tmp_path):
     ck4 = os.path.join(root, "fsdp4")
     assert_same(by_name(safeckpt.read_state_dict(ck4), plain), v4[0]["saved"], "read_state_dict 4 ranks")
 
+    hsdp = os.path.join(root, "hsdp")
+    man = json.load(open(os.path.join(hsdp, "manifest.json")))
+    assert man["tensors"]["model/0.weight"]["placement"]["placements"] == ["R", "S(0)"]
+    writers = set()
+    for key, rec in man["tensors"].items():
+        if rec["scope"] == "sharded":
+            assert len(rec["chunks"]) == len({tuple(c["offsets"]) for c in rec["chunks"]}), key
+            writers |= {c["file"] for c in rec["chunks"]}
+    assert len(writers) == 4  # both replicas of each shard share the writing
+    assert_same(by_name(safeckpt.read_state_dict(hsdp), plain), v4[0]["hsdp_saved"], "read_state_dict HSDP")
+
     # 2 ranks: 4 -> 2 into FSDP2 and into plain modules
     w2 = _ok(dist_harness.run(_run_2_ranks_load, 2, root, timeout=120))
     assert_same(w2[0]["fsdp_loaded"], v4[0]["saved"], "FSDP2 4 -> 2 ranks")
     assert_same(w2[0]["plain_loaded"], v4[0]["saved"], "FSDP2 (4 ranks) -> plain module on 2 ranks")
+    assert_same(w2[0]["hsdp_loaded"], v4[0]["hsdp_saved"], "HSDP (2x2) -> FSDP2 on 2 ranks")
     for r, v in enumerate(w2):
         assert v["nread"] == v["need"], f"rank {r} read {v['nread']} bytes, needs {v['need']}"
         assert v["steps"] == {6.0}  # 2 (plain) + 2 (2 ranks) + 1 (4 ranks) saved, +1 here

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -282,7 +283,10 @@ class _SaveJob:
                                 "sizes": list(leaf.tensor.shape), "rank": rank})
             elif leaf.scope == "sharded":
                 box = self.boxes[rank][k]
-                owner = min(r for r in range(world) if self.boxes[r][k] == box)
+                # replicas of a shard (HSDP) are written once, by one of their holders chosen
+                # per key (crc32 is the same on every rank) so writes spread over the replicas
+                holders = [r for r in range(world) if self.boxes[r][k] == box]
+                owner = holders[zlib.crc32(k.encode()) % len(holders)]
                 if owner != rank or 0 in box[1]:
                     continue  # another rank writes this replica of the shard, or it is empty
                 name = f"{k}@" + ",".join(map(str, box[0]))
