@@ -299,9 +299,10 @@ def _writer_job(rank, world, root, sync):
     for s in range(1, N_SAVES + 1):
         mgr.save(s, make_state(s))
     final = [i.step for i in mgr.list()]
-    mgr.close()
     if rank == 0:
         open(os.path.join(sync, "done"), "w").close()
+    _wait_file(os.path.join(sync, "release"))  # keep the lease until the parent is done probing
+    mgr.close()
     return final
 
 
@@ -347,7 +348,6 @@ def test_lease_refuses_second_writer_and_readers_never_see_partial(tmp_path):
         with pytest.raises(CheckpointLocked) as exc_info:
             intruder.save(100, make_state(100))
         assert str(holder_pid) in str(exc_info.value)
-        intruder.close()
         assert (root / LOCK).read_text() == lock_before
         assert not os.path.exists(step_dir(root, 100))
         assert not [n for n in hidden(root) if n != LOCK]
@@ -355,9 +355,16 @@ def test_lease_refuses_second_writer_and_readers_never_see_partial(tmp_path):
         # Now the job saves N_SAVES times with keep_last=1 while we poll latest() + read.
         (sync / "go").touch()
         reader = reader_manager(root)
-        good, vanished, seen, nones = 0, 0, set(), 0
+        good, vanished, seen, nones, refused, i = 0, 0, set(), 0, 0, 0
         deadline = time.monotonic() + 120
         while not (sync / "done").exists() and job.is_alive() and time.monotonic() < deadline:
+            i += 1
+            if i % 100 == 0:
+                # the intruder is refused while the job is mid-save too (its staging dir and
+                # checkpoints untouched: the job's saves all succeed, asserted below)
+                with pytest.raises(CheckpointLocked):
+                    intruder.save(100 + i, make_state(100 + i))
+                refused += 1
             info = reader.latest()
             if info is None:  # there is always a committed checkpoint: new ones publish first
                 nones += 1
@@ -372,14 +379,20 @@ def test_lease_refuses_second_writer_and_readers_never_see_partial(tmp_path):
             assert flat_step(sd) == info.step, (info, sd["step"])
             good += 1
             seen.add(info.step)
+        assert (sync / "done").exists(), "the job did not finish its saves"
+        with pytest.raises(CheckpointLocked):
+            intruder.save(99, make_state(99))
+        intruder.close()
     finally:
+        (sync / "release").touch()
         job.join(180)
     out = box["out"]
     assert_all_ok(out)
     assert nones == 0
     assert all(o.value == [N_SAVES] for o in out)
     assert good >= 5 and len(seen) >= 3, (good, vanished, sorted(seen))
-    print(f"reader: {good} good reads of {len(seen)} steps, {vanished} vanished")
+    assert refused >= 1
+    print(f"reader: {good} good reads of {len(seen)} steps, {vanished} vanished, {refused} refused")
     assert [n for n in os.listdir(root)] == [f"step-{N_SAVES:010d}"]  # lease released, no leftovers
 
 
