@@ -47,7 +47,8 @@ def state_step(state: dict) -> int:
 
 
 def flat_step(sd: dict) -> int:
-    """Same for a flat dict from read_state_dict."""
+    """Same for a flat dict from read_state_dict (per-rank RNG state, if any, aside)."""
+    sd = {k: v for k, v in sd.items() if not k.startswith("rng/")}
     assert set(sd) == KEYS, sorted(sd)
     for k in KEYS - {"step"}:
         t = sd[k]
@@ -82,7 +83,8 @@ def _first_run(rank, world, root):
     restored = mgr.restore(st)  # a fresh run: nothing there (the root does not even exist)
     lists = []
     for s in range(1, 6):
-        info = mgr.save(s, make_state(s), metrics={"loss": LOSS_RUN1[s]})
+        torch.manual_seed(1000 * s + rank)
+        info = mgr.save(s, {**make_state(s), "rng": safeckpt.RNGState()}, metrics={"loss": LOSS_RUN1[s]})
         assert info.step == s and info.path == step_dir(root, s)
         lists.append([i.step for i in mgr.list()])
     mgr.close()
@@ -94,7 +96,7 @@ def _second_run(rank, world, root):
     # the earlier run's checkpoints too.
     mgr = CheckpointManager(root, keep_last=2, keep_best=1, best_metric="loss")
     res = {}
-    st = make_state(-1)
+    st = {**make_state(-1), "rng": safeckpt.RNGState()}
     res["at3"] = mgr.restore(st, step=3)
     res["at3_state"] = state_step(st)
     for missing in (2, 77):  # 2 was deleted by retention in the first run; 77 never existed
@@ -115,9 +117,10 @@ def _second_run(rank, world, root):
         res["restored"] = mgr.restore(st)
     res["warnings"] = [str(w.message) for w in caught if issubclass(w.category, safeckpt.SafeckptWarning)]
     res["restored_state"] = state_step(st)
+    res["rng_ok"] = torch.equal(torch.randint(0, 2**30, (4,)), _rng_draw(4, rank))  # rank's own
     res["lists"] = []
     for s in (5, 6, 7):  # training continues from 4: step 5 is saved again over the corrupt one
-        info = mgr.save(s, make_state(s), metrics={"loss": LOSS_RUN2[s]})
+        info = mgr.save(s, {**make_state(s), "rng": safeckpt.RNGState()}, metrics={"loss": LOSS_RUN2[s]})
         if s == 5:
             res["new5"] = flat_step(safeckpt.read_state_dict(info.path))
         res["lists"].append([i.step for i in mgr.list()])
@@ -125,12 +128,29 @@ def _second_run(rank, world, root):
     return res
 
 
-def flip_last_byte(path: str) -> None:
+def _rng_draw(step, rank):
+    torch.manual_seed(1000 * step + rank)
+    return torch.randint(0, 2**30, (4,))
+
+
+def flip_byte(path: str, offset: int) -> None:
     with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
+        f.seek(offset)
         b = f.read(1)
-        f.seek(-1, os.SEEK_END)
+        f.seek(offset)
         f.write(bytes([b[0] ^ 0x10]))
+
+
+def corrupt_rank1_only_chunk(ckpt: str) -> str:
+    """Flip a bit inside rank 1's *per-rank* RNG state: a chunk only rank 1 reads on restore,
+    so only rank 1 can notice, and every rank must still fall back together."""
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        man = json.load(f)
+    (chunk,) = [c for c in man["tensors"]["rng/torch"]["chunks"] if c.get("rank") == 1]
+    assert man["tensors"]["rng/torch"]["scope"] == "per_rank"
+    path = os.path.join(ckpt, chunk["file"])
+    flip_byte(path, (chunk["start"] + chunk["end"]) // 2)
+    return path
 
 
 def test_resume_fallback_and_retention_across_runs(tmp_path):
@@ -154,11 +174,11 @@ def test_resume_fallback_and_retention_across_runs(tmp_path):
     garbage = root / "step-0000000098"
     garbage.mkdir()
     (garbage / "manifest.json").write_text("{not json")
-    # Bit flip in rank 1's file of the newest checkpoint: the manifest still parses, so only a
-    # checksum can tell.
-    rank1_file = os.path.join(step_dir(root, 5), "rank-00001.safetensors")
-    assert os.path.getsize(rank1_file) > 1000
-    flip_last_byte(rank1_file)
+    # Bit flip in rank 1's file of the newest checkpoint: the manifest still parses and sizes
+    # match, so only a checksum can tell, and only rank 1 reads those bytes.
+    assert corrupt_rank1_only_chunk(step_dir(root, 5)).endswith("rank-00001.safetensors")
+    assert safeckpt.verify(step_dir(root, 5), deep=False).ok
+    assert not safeckpt.verify(step_dir(root, 5), deep=True).ok
     foreign = {"notes", "README.txt", "step-12", "step-0000000099", "step-0000000098"}
 
     ro = reader_manager(root)
@@ -174,7 +194,10 @@ def test_resume_fallback_and_retention_across_runs(tmp_path):
         assert v["at5"] == "CorruptCheckpoint"
         # every rank falls back to the same older step, with a warning naming the reason
         assert v["restored"] == 4 and v["restored_state"] == 4, v
-        assert any("step 5" in w and "corrupt" in w for w in v["warnings"]), v["warnings"]
+        assert v["rng_ok"]  # the rank's own RNG stream of step 4 came back
+        corrupt = [w for w in v["warnings"] if "step 5" in w and "corrupt" in w]
+        assert corrupt, v["warnings"]
+        assert "failed on rank 1 (of 2)" in corrupt[0]  # only rank 1 could see it
         assert v["new5"] == 5
         # keep_last=2 | best (step 1) | restored (step 4, protected); step 3 of the first run
         # is deleted by the second run's policy.
@@ -538,3 +561,41 @@ def test_read_of_checkpoint_deleted_mid_open_says_not_found(tmp_path, monkeypatc
     monkeypatch.setattr(manifest_mod, "read_manifest", racing_read_manifest)
     with pytest.raises(CheckpointNotFound):
         safeckpt.read_state_dict(info.path)
+
+
+def test_retention_interrupted_half_way_never_leaves_a_committed_looking_dir(tmp_path, monkeypatch):
+    """Retention dies after it started deleting (simulated: rmtree removes one data file, keeps
+    the manifest, then the process 'dies'): the half-deleted checkpoint is never listed or
+    restored, and the next save sweeps what is left."""
+    import shutil
+
+    import safeckpt._commit as commit
+
+    root = tmp_path / "ckpts"
+    mgr = CheckpointManager(root, keep_last=1, preemption_signals=())
+    mgr.save(1, make_state(1))
+    real_rmtree = shutil.rmtree
+
+    def dying_rmtree(path, ignore_errors=False):
+        names = sorted(os.listdir(path))
+        os.unlink(os.path.join(path, names[-1]))  # a data file goes, the manifest stays; dies
+        raise SystemExit("killed during retention")
+
+    monkeypatch.setattr(commit.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(SystemExit):
+        mgr.save(2, make_state(2))
+    monkeypatch.setattr(commit.shutil, "rmtree", real_rmtree)
+    mgr._lock.release()  # the "dead" process's lease
+
+    ro = reader_manager(root)
+    assert [i.step for i in ro.list()] == [2]
+    st = make_state(-1)
+    assert ro.restore(st) == 2 and state_step(st) == 2
+    assert not os.path.exists(step_dir(root, 1))
+    trash = [n for n in hidden(root) if ".safeckpt-trash-" in n]
+    assert len(trash) == 1 and trash[0].startswith(".step-0000000001")
+
+    mgr = CheckpointManager(root, keep_last=1, preemption_signals=())
+    mgr.save(3, make_state(3))
+    mgr.close()
+    assert sorted(os.listdir(root)) == [f"step-{3:010d}"]
