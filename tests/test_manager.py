@@ -599,3 +599,45 @@ def test_retention_interrupted_half_way_never_leaves_a_committed_looking_dir(tmp
     mgr.save(3, make_state(3))
     mgr.close()
     assert sorted(os.listdir(root)) == [f"step-{3:010d}"]
+
+
+def _damage(ckpt: str, how: str) -> None:
+    f = os.path.join(ckpt, "rank-00000.safetensors")
+    if how == "bitflip":  # sizes match: only loading (checksums) can tell
+        flip_byte(f, os.path.getsize(f) - 1)
+    elif how == "manifest":  # a damaged manifest: history that cannot even be read
+        with open(os.path.join(ckpt, "manifest.json"), "r+b") as fh:
+            fh.truncate(100)
+    elif how == "truncate":
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) - 8)
+    else:
+        os.unlink(f)
+
+
+@pytest.mark.parametrize("how", ["bitflip", "truncate", "missing", "manifest"])
+def test_restore_never_starts_fresh_when_every_checkpoint_is_damaged(tmp_path, how):
+    """BZ-22: history exists but none of it loads -> CorruptCheckpoint naming each one, never
+    None (which a training script takes as "fresh run"). Asking for a damaged step explicitly
+    says it is corrupt, not that it does not exist."""
+    root = tmp_path / "ckpts"
+    mgr = CheckpointManager(root, keep_last=None, preemption_signals=())
+    for s in (1, 2):
+        mgr.save(s, make_state(s))
+    mgr.close()
+    # Only the newest is damaged: fall back to step 1 with a warning.
+    _damage(step_dir(root, 2), how)
+    ro = reader_manager(root)
+    st = make_state(-1)
+    with pytest.warns(safeckpt.SafeckptWarning, match="step.0*2"):
+        assert ro.restore(st) == 1
+    assert state_step(st) == 1
+    with pytest.raises(CorruptCheckpoint), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ro.restore(make_state(-1), step=2)
+    # Every one damaged: an error, not a fresh start.
+    _damage(step_dir(root, 1), how)
+    with pytest.raises(CorruptCheckpoint) as exc_info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ro.restore(make_state(-1))
+    assert "step 1" in str(exc_info.value) and "step 2" in str(exc_info.value), str(exc_info.value)

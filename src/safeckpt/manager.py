@@ -115,9 +115,10 @@ class CheckpointManager:
         picked = asked[0]["pick"]
         for note in picked["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=2)
-        if step is not None and not picked["candidates"]:
+        # Damaged history counts: if nothing loads, raise rather than report a fresh run.
+        reasons = list(picked.get("damaged", []))
+        if step is not None and not picked["candidates"] and not reasons:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
-        reasons = []
         for cand_step, path in picked["candidates"]:
             try:
                 load(path, state, strict=strict, timeout=self.timeout)
@@ -143,18 +144,22 @@ class CheckpointManager:
         entries = scan(self.root)
         notes = []
         candidates = []
+        damaged = []
         for e in reversed(entries):
             if step is not None and e.step != step:
                 continue
             if e.status in ("corrupt", "incomplete"):
                 notes.append(f"ignoring {e.path}: {e.status} ({e.problem})")
+                if e.status == "corrupt":
+                    damaged.append(f"step {e.step}: unreadable manifest ({e.problem})")
             elif e.status == "committed":
                 report = verify(e.path, deep=False)
                 if report.ok:
                     candidates.append([e.step, e.path])
                 else:
                     notes.append(f"skipping checkpoint step {e.step} at {e.path}: " + "; ".join(report.problems))
-        return {"candidates": candidates, "warnings": notes}
+                    damaged.append(f"step {e.step}: " + "; ".join(report.problems))
+        return {"candidates": candidates, "warnings": notes, "damaged": damaged}
 
     def save(
         self,
