@@ -641,3 +641,21 @@ def test_restore_never_starts_fresh_when_every_checkpoint_is_damaged(tmp_path, h
         warnings.simplefilter("ignore")
         ro.restore(make_state(-1))
     assert "step 1" in str(exc_info.value) and "step 2" in str(exc_info.value), str(exc_info.value)
+
+
+def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
+    """BZ-29/BZ-30: a run that resumes from an older step (checkpoints of a run that got further
+    are still there) must not delete each checkpoint right after writing it because a stale,
+    higher-numbered one counts as "newest"."""
+    root = tmp_path / "ckpts"
+    mgr = CheckpointManager(root, keep_last=3, preemption_signals=())
+    for s in (8, 9, 10, 11):
+        mgr.save(s, make_state(s))
+    mgr.close()
+    mgr = CheckpointManager(root, keep_last=1, preemption_signals=())
+    assert mgr.restore(make_state(-1), step=9) == 9  # branch off an earlier step
+    info = mgr.save(10, make_state(10))  # replaces the old 10
+    assert info.step == 10
+    assert [i.step for i in mgr.list()] == [9, 10, 11]  # restored, just written, numerically newest
+    assert flat_step(safeckpt.read_state_dict(info.path)) == 10
+    mgr.close()

@@ -199,15 +199,17 @@ class CheckpointManager:
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
         info = job.finish()
-        coord.run("retain", lambda: self._retain(coord.is_coordinator),
+        coord.run("retain", lambda: self._retain(coord.is_coordinator, info.step),
                   hint=f"The checkpoint {info.path} is committed; only retention failed.")
         return info
 
-    def _retain(self, is_coordinator: bool) -> list[int]:
+    def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:
             return []
         entries = committed(self.root)
-        protect = {self._restored} if self._restored is not None else set()
+        # Never the restored checkpoint, nor the one just written (even if a stale checkpoint
+        # with a higher step, from a run that got further, counts as "newest").
+        protect = {s for s in (self._restored, saved) if s is not None}
         doomed = self.policy.delete([(e.step, e.info.metrics if e.info else {}) for e in entries], protect)
         by_step = {e.step: e for e in entries}
         for s in doomed:
