@@ -10,6 +10,7 @@ memory while consolidating, and refusal of pickles that would run code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 
@@ -235,3 +236,18 @@ def test_consolidate_memory_is_bounded(tmp_path):
     with pytest.raises(safeckpt.CorruptCheckpoint):
         _convert.consolidate(tmp_path / "ck", tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.parametrize("shape", [[], [0], [5], [3, 0, 2], [7, 3], [2, 3, 5], [1, 1, 9]])
+@pytest.mark.parametrize("limit", [1, 4, 12, 40, 1 << 20])
+def test_pieces_tile_memory_in_order(shape, limit):
+    """Consolidation pieces are consecutive byte ranges covering the tensor exactly once."""
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    got = []
+    for offsets, sizes in _convert._pieces(shape, 4, limit):
+        idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        piece = full[idx]
+        assert piece.numel() * 4 <= max(limit, 4) or len(shape) == 0
+        got.append(piece.reshape(-1))
+    flat = torch.cat(got) if got else torch.empty(0)
+    assert torch.equal(flat, full.reshape(-1))
