@@ -112,8 +112,9 @@ class _SaveJob:
                 pool[name] = buf
             buf.copy_(src, non_blocking=True)
             copies.append((name, buf))
+        wanted = {n for n, _ in self.items}  # built once: a set per pool entry was O(n^2)
         for name in list(pool):
-            if name not in {n for n, _ in self.items}:
+            if name not in wanted:
                 del pool[name]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
