@@ -13,7 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from ._commit import remove_tree
 from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo, read_manifest
+from ._storage import is_remote
 from .errors import CheckpointError
 
 STEP_PREFIX = "step-"
@@ -41,6 +43,7 @@ class Entry:
     step: int | None
     info: CheckpointInfo | None = None
     problem: str = ""
+    files: tuple[str, ...] = ()  # object-store leftovers: the stray objects (see _remote.scan)
 
 
 def scan(root: str, attempts: int = 10) -> list[Entry]:
@@ -49,7 +52,12 @@ def scan(root: str, attempts: int = 10) -> list[Entry]:
     Lock-free against a concurrent writer: if an entry vanished between the listing and its
     inspection (a staging dir just published, an old checkpoint just moved aside by retention),
     the listing is stale and may miss the checkpoint that replaced it, so we list again.
+    A remote root (fsspec URL) is scanned by :func:`safeckpt._remote.scan`.
     """
+    if is_remote(root):
+        from ._remote import scan as remote_scan
+
+        return remote_scan(root)
     for _ in range(attempts - 1):
         out = _scan_once(root)
         if out is not None:
@@ -97,4 +105,18 @@ def _scan_once(root: str, retry: bool = True) -> list[Entry] | None:
 
 
 def committed(root: str) -> list[Entry]:
+    if is_remote(root):
+        from ._remote import scan as remote_scan
+
+        return [e for e in remote_scan(root, leftovers=False) if e.status == "committed"]
     return [e for e in scan(root) if e.status == "committed"]
+
+
+def remove_entry(entry: Entry) -> None:
+    """Delete a leftover or a committed checkpoint so that it never looks committed half-way."""
+    if is_remote(entry.path):
+        from ._remote import remove
+
+        remove(entry)
+    else:
+        remove_tree(entry.path)

@@ -36,6 +36,7 @@ import torch
 
 from ._manifest import torch_dtype
 from ._reader import Box, TensorReader, open_manifest
+from ._storage import resolve
 from .errors import CheckpointError, CheckpointExists
 
 DEFAULT_BUFFER = 64 << 20
@@ -229,7 +230,7 @@ def consolidate(
     Raises :class:`CheckpointNotFound`, :class:`CorruptCheckpoint`, or :class:`CheckpointError`
     when ``only`` matches nothing. Returns :class:`WrittenSafetensors` (path, names, nbytes).
     """
-    src = os.path.abspath(os.fspath(ckpt))
+    src = resolve(ckpt)  # a local path or an fsspec URL
     out = os.path.abspath(os.fspath(out_path))
     man = open_manifest(src)
     tensors, values = _select(man, only)
@@ -291,7 +292,7 @@ def export_hf(
     ``overwrite=True``, which replaces them (stale shards of an earlier export are removed
     after the new files are in place). Returns the paths written, index last.
     """
-    src = os.path.abspath(os.fspath(ckpt))
+    src = resolve(ckpt)  # a local path or an fsspec URL
     dst = os.path.abspath(os.fspath(out_dir))
     limit = parse_size(max_shard_size)
     if limit <= 0:

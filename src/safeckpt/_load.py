@@ -20,6 +20,7 @@ from . import _optim
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
 from ._reader import TensorReader, open_manifest
+from ._storage import resolve
 from ._tree import (
     KEEP,
     PER_RANK_ATTR,
@@ -48,7 +49,7 @@ def load(
     With ``strict=False`` the intersection is loaded and the returned info's ``skipped`` lists
     what was left out. ``verify_checksums=False`` skips checksum verification for speed.
     """
-    target = os.path.abspath(os.fspath(path))
+    target = resolve(path)
     coord = Coordinator(timeout, what=f"load from {target}")
 
     def _open() -> dict[str, Any]:

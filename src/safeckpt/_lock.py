@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from ._storage import is_remote
 from .errors import CheckpointLocked
 
 LOCK_NAME = ".safeckpt.lock"
@@ -39,6 +40,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def read_lock(root: str) -> dict[str, Any] | None:
+    if is_remote(root):
+        from ._remote import read_lock as read_remote
+
+        return read_remote(root)
     try:
         with open(os.path.join(root, LOCK_NAME)) as f:
             data = json.load(f)
@@ -145,3 +150,13 @@ class RootLock:
                 except FileNotFoundError:
                     pass
             self.held = False
+
+
+def writer_lease(root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE) -> Any:
+    """The lease object for ``root``: a :class:`RootLock`, or for a remote root (fsspec URL)
+    the best-effort :class:`safeckpt._remote.RemoteLock` with the same methods."""
+    if is_remote(root):
+        from ._remote import RemoteLock
+
+        return RemoteLock(root, run_id, lease)
+    return RootLock(root, run_id, lease)

@@ -14,6 +14,9 @@ xxh3-64 checksum); for each file its size and xxh3-128 checksum. Files are plain
 and open with any safetensors reader.
 
 Names inside a manifest are validated before use: no absolute paths, no ``..``, no separators.
+On object stores (fsspec URLs) data files also carry a per-save token,
+``rank-00000.<token>.safetensors`` (see ``safeckpt._remote``); readers use the names the
+manifest lists, whatever they are.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._storage import is_remote
 from .errors import CheckpointNotFound, CorruptCheckpoint
 
 FORMAT = "safeckpt"
@@ -94,6 +98,8 @@ def safe_file_path(ckpt_dir: str, name: Any) -> str:
             f"manifest names an unsafe file {name!r} (absolute path, '..' or separator); "
             "refusing to read it", path=ckpt_dir,
         )
+    if is_remote(ckpt_dir):
+        return f"{ckpt_dir}/{name}"  # an object key: no links to follow
     path = os.path.join(ckpt_dir, name)
     if os.path.islink(path):
         raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=ckpt_dir)
@@ -109,6 +115,12 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     except FileNotFoundError:
         # Deleted (e.g. by retention) after the caller saw it: a safeckpt error, not a raw OSError.
         raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir) from None
+    return parse_manifest(raw, ckpt_dir)
+
+
+def parse_manifest(raw: bytes, ckpt_dir: str) -> dict[str, Any]:
+    """Parse and structurally validate the bytes of ``manifest.json``."""
+    path = f"{ckpt_dir}/{MANIFEST}" if is_remote(ckpt_dir) else os.path.join(ckpt_dir, MANIFEST)
     try:
         man = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -118,8 +130,10 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
 
 
 def validate_manifest(man: Any, ckpt_dir: str) -> None:
+    where = f"{ckpt_dir}/{MANIFEST}" if is_remote(ckpt_dir) else os.path.join(ckpt_dir, MANIFEST)
+
     def bad(msg: str) -> CorruptCheckpoint:
-        return CorruptCheckpoint(f"{os.path.join(ckpt_dir, MANIFEST)}: {msg}", path=ckpt_dir)
+        return CorruptCheckpoint(f"{where}: {msg}", path=ckpt_dir)
 
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise bad("not a safeckpt manifest")

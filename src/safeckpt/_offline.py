@@ -12,6 +12,7 @@ import torch
 from ._manifest import safe_file_path
 from ._reader import TensorReader, open_manifest
 from ._shardfile import hash_file
+from ._storage import is_remote, resolve
 from ._tree import decode
 from .errors import CheckpointError
 
@@ -34,7 +35,11 @@ class VerifyReport:
 def verify(path: str | os.PathLike[str], deep: bool = True) -> VerifyReport:
     """Check a checkpoint: manifest, files present with the right sizes, chunks covering every
     tensor, and with ``deep`` every file's checksum (reads all bytes once)."""
-    ckpt = os.path.abspath(os.fspath(path))
+    ckpt = resolve(path)
+    remote = is_remote(ckpt)
+    if remote:
+        from ._remote import hash_file as remote_hash_file
+        from ._remote import locate, size_of
     problems: list[str] = []
     try:
         man = open_manifest(ckpt)
@@ -47,16 +52,22 @@ def verify(path: str | os.PathLike[str], deep: bool = True) -> VerifyReport:
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
-        if not os.path.isfile(fpath):
+        if remote:
+            size = size_of(locate(fpath))
+            if size is None:
+                problems.append(f"missing file {name}")
+                continue
+        elif not os.path.isfile(fpath):
             problems.append(f"missing file {name}")
             continue
-        size = os.path.getsize(fpath)
+        else:
+            size = os.path.getsize(fpath)
         nbytes += size
         if size != rec["size"]:
             problems.append(f"{name}: {size} bytes on disk, manifest says {rec['size']} (truncated?)")
             continue
         if deep:
-            _, digest = hash_file(fpath)
+            _, digest = (remote_hash_file if remote else hash_file)(fpath)
             if digest != rec.get("xxh3_128"):
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
     for key, rec in man["tensors"].items():
@@ -76,7 +87,7 @@ def verify(path: str | os.PathLike[str], deep: bool = True) -> VerifyReport:
 def read_state_dict(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> dict[str, Any]:
     """The whole checkpoint as a flat ``{key: Tensor | value}`` dict with full (unsharded) CPU
     tensors. Keys are ``entry/sub/key`` (``model/layer.weight``); per-rank state is rank 0's."""
-    ckpt = os.path.abspath(os.fspath(path))
+    ckpt = resolve(path)
     man = open_manifest(ckpt)
     reader = TensorReader(ckpt, man, rank=0, verify=verify_checksums)
     out: dict[str, Any] = {}

@@ -18,6 +18,7 @@ import xxhash
 
 from ._manifest import safe_file_path, torch_dtype
 from ._shardfile import MappedFile
+from ._storage import is_remote
 from ._tree import is_dtensor
 from .errors import CorruptCheckpoint
 
@@ -66,13 +67,18 @@ class TensorReader:
         self.man = manifest
         self.rank = rank
         self.verify = verify
-        self._files: dict[str, MappedFile] = {}
+        self._files: dict[str, Any] = {}  # MappedFile, or _remote.RemoteFile for a URL
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
 
-    def _file(self, name: str) -> MappedFile:
+    def _file(self, name: str) -> Any:
         if name not in self._files:
             path = safe_file_path(self.dir, name)
-            self._files[name] = MappedFile(path, int(self.man["files"][name]["size"]))
+            if is_remote(path):
+                from ._remote import RemoteFile
+
+                self._files[name] = RemoteFile(path, int(self.man["files"][name]["size"]))
+            else:
+                self._files[name] = MappedFile(path, int(self.man["files"][name]["size"]))
         return self._files[name]
 
     def record(self, key: str) -> dict[str, Any]:
@@ -109,13 +115,20 @@ class TensorReader:
                     continue
                 lo, hi = inter
                 whole = lo == list(cbox[0]) and [h - o for h, o in zip(hi, cbox[0], strict=True)] == list(cbox[1])
-                src = self._file(c["file"]).tensor(
-                    c["start"], c["end"], dtype, c["sizes"],
-                    c.get("xxh3_64") if (self.verify and whole) else None,
-                )
-                if src.numel() * src.element_size() != c["end"] - c["start"]:
-                    raise CorruptCheckpoint(f"chunk of {key!r} has a size that does not match its shape", path=self.dir)
-                src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, cbox[0], strict=True))
+                f = self._file(c["file"])
+                src_at = cbox[0]
+                if whole or not hasattr(f, "rows"):
+                    src = f.tensor(
+                        c["start"], c["end"], dtype, c["sizes"],
+                        c.get("xxh3_64") if (self.verify and whole) else None,
+                    )
+                    if src.numel() * src.element_size() != c["end"] - c["start"]:
+                        raise CorruptCheckpoint(f"chunk of {key!r} has a size that does not match its shape", path=self.dir)
+                else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
+                    r0 = lo[0] - cbox[0][0]
+                    src = f.rows(c["start"], c["end"], dtype, c["sizes"], r0, hi[0] - cbox[0][0])
+                    src_at = [lo[0], *cbox[0][1:]]
+                src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, src_at, strict=True))
                 dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
                 local[dst_idx].copy_(src[src_idx])
                 n = 1
@@ -140,7 +153,15 @@ class TensorReader:
             expect, start, end = c.get("xxh3_64"), c["start"], c["end"]
             if expect is None or end <= start:
                 continue
-            mm = getattr(self._file(c["file"]), "_mm", None)
+            f = self._file(c["file"])
+            if hasattr(f, "hash_range"):  # a remote file: ranged reads
+                if f.hash_range(start, end, window) != expect:
+                    raise CorruptCheckpoint(
+                        f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): "
+                        "the file is corrupt.", path=self.dir,
+                    )
+                continue
+            mm = getattr(f, "_mm", None)
             if mm is None:
                 continue
             h = xxhash.xxh3_64()
@@ -186,6 +207,10 @@ def open_manifest(ckpt_dir: str) -> dict[str, Any]:
     from ._manifest import MANIFEST, is_staging_name, read_manifest
     from .errors import CheckpointNotFound
 
+    if is_remote(ckpt_dir):
+        from ._remote import open_manifest as open_remote
+
+        return open_remote(ckpt_dir)
     name = os.path.basename(os.path.normpath(ckpt_dir))
     if not os.path.isdir(ckpt_dir):
         raise CheckpointNotFound(f"no checkpoint at {ckpt_dir}: the directory does not exist", path=ckpt_dir)

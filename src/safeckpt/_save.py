@@ -36,6 +36,7 @@ from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._shardfile import tensor_bytes, write_file
+from ._storage import is_remote, resolve
 from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp, param_names
 from .errors import CheckpointError, CheckpointExists, RankMismatch
 
@@ -61,10 +62,19 @@ def save(
     """
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas must be one of {CHECK_REPLICAS}, got {check_replicas!r}")
-    target = os.path.abspath(os.fspath(path))
+    target = resolve(path)
     coord = Coordinator(timeout, what=f"save to {target}")
-    job = _SaveJob(coord, target, state, metadata, overwrite, step, metrics, check_replicas)
+    job = new_job(coord, target, state, metadata, overwrite, step, metrics, check_replicas)
     return job.run()
+
+
+def new_job(coord: Coordinator, target: str, *args: Any) -> _SaveJob:
+    """The save job for ``target``: a local directory, or an fsspec URL (object store)."""
+    if is_remote(target):
+        from ._remote import RemoteSaveJob
+
+        return RemoteSaveJob(coord, target, *args)
+    return _SaveJob(coord, target, *args)
 
 
 class _SaveJob:
@@ -136,7 +146,7 @@ class _SaveJob:
             )[0]
         except BaseException:
             if self.coord.is_coordinator and staging:
-                remove_tree(staging)
+                self._discard(staging)
             raise
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
 
@@ -303,6 +313,10 @@ class _SaveJob:
         written = _retry_missing_dir(
             lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}), staging
         )
+        return self._report(fname, written, records)
+
+    def _report(self, fname: str, written: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """What this rank tells the coordinator about the file it wrote."""
         by_name = {c.name: c for c in written.chunks}
         for rec in records:
             c = by_name[rec.pop("name")]
@@ -334,6 +348,28 @@ class _SaveJob:
                     f"{w['size']}: the filesystem lost data (is {staging} shared by all ranks?)"
                 )
             files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
+        manifest = self._build_manifest(files, written)
+        write_json_atomic(os.path.join(staging, MANIFEST), manifest)
+        try:
+            publish(staging, self.target, replace=self.overwrite)
+        except FileExistsError:
+            raise CheckpointExists(
+                f"{self.target} appeared while saving (another job writing the same path?); "
+                "nothing was replaced."
+            ) from None
+        return {
+            "path": self.target,
+            "step": self.step,
+            "world_size": self.coord.world_size,
+            "created_at": manifest["created_at"],
+            "nbytes": sum(f["size"] for f in files.values()),
+        }
+
+    def _discard(self, staging: str) -> None:
+        """After a failed save (coordinator): remove what it wrote."""
+        remove_tree(staging)
+
+    def _build_manifest(self, files: dict[str, Any], written: list[dict[str, Any]]) -> dict[str, Any]:
         tensors: dict[str, Any] = {k: {**rec, "chunks": []} for k, rec in self.tensor_table.items()}
         for w in written:
             for ch in w["chunks"]:
@@ -367,21 +403,7 @@ class _SaveJob:
             "objects": objects,
             "tensors": tensors,
         }
-        write_json_atomic(os.path.join(staging, MANIFEST), manifest)
-        try:
-            publish(staging, self.target, replace=self.overwrite)
-        except FileExistsError:
-            raise CheckpointExists(
-                f"{self.target} appeared while saving (another job writing the same path?); "
-                "nothing was replaced."
-            ) from None
-        return {
-            "path": self.target,
-            "step": self.step,
-            "world_size": self.coord.world_size,
-            "created_at": manifest["created_at"],
-            "nbytes": sum(f["size"] for f in files.values()),
-        }
+        return manifest
 
 
 def _layout_differences(layouts: list[Any]) -> list[str]:

@@ -22,6 +22,9 @@ The CLI reads checkpoints without a process group and never takes the writer lea
 deletes only what it recognises: staging/trash leftovers (by their markers) and, when asked,
 committed ``step-*`` checkpoints that the retention rules do not keep (never the newest).
 
+ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt._remote``);
+on an object store, leftovers are token-named objects that no manifest names.
+
 ``rich`` (``pip install 'safeckpt[cli]'``) draws tables and progress bars when the output is a
 terminal; without it, or when piped, output is plain aligned text. Progress bars appear only
 when stderr is a terminal (``SAFECKPT_PROGRESS=1``/``0`` forces them on or off).
@@ -41,12 +44,12 @@ from typing import Any
 
 from . import __version__
 from . import _humanize as human
-from ._catalog import Entry, scan
-from ._commit import remove_tree
-from ._lock import LOCK_NAME, RootLock, holder_is_live, read_lock
+from ._catalog import Entry, remove_entry, scan
+from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
 from ._manifest import MANIFEST, CheckpointInfo, read_manifest, safe_file_path, torch_dtype
 from ._offline import VerifyReport, verify
 from ._reader import TensorReader, open_manifest
+from ._storage import is_remote, join, resolve
 from ._tree import decode, tensor_keys
 from .errors import (
     CheckpointError,
@@ -252,7 +255,7 @@ def _checkpoint_files_size(man: dict[str, Any]) -> int:
 
 def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
     """:func:`safeckpt.verify`, feeding a progress bar while it hashes when one is shown."""
-    if not deep or advance is None:
+    if not deep or advance is None or is_remote(path):
         return verify(path, deep=deep)
     report = verify(path, deep=False)  # structure, presence, sizes
     try:
@@ -290,8 +293,29 @@ def _dir_size(path: str) -> int:
     return total
 
 
+def _entry_size(e: Entry) -> int:
+    if is_remote(e.path):
+        from ._remote import entry_nbytes
+
+        return entry_nbytes(e)
+    return _dir_size(e.path)
+
+
+def _has_manifest(path: str) -> bool:
+    if is_remote(path):
+        from ._remote import exists
+
+        return exists(join(path, MANIFEST))
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
 def _root(path: str) -> str:
-    root = os.path.abspath(path)
+    root = resolve(path)
+    if is_remote(root):
+        from ._remote import locate
+
+        locate(root)  # fsspec and the scheme's package are installed, or a clear error
+        return root  # an object-store prefix exists only through what is under it
     if not os.path.isdir(root):
         raise CheckpointNotFound(f"{root} is not a directory", path=root)
     return root
@@ -320,6 +344,10 @@ def _lease_line(lease: dict[str, Any]) -> str:
 
 def _unmanaged(root: str, known: set[str]) -> list[Entry]:
     """Checkpoints under ``root`` saved with safeckpt.save under names the manager does not use."""
+    if is_remote(root):
+        from ._remote import unmanaged
+
+        return unmanaged(root, known)
     found = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
@@ -362,16 +390,17 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
             row.update(created_at=e.info.created_at, nbytes=e.info.nbytes,
                        world_size=e.info.world_size, metrics=e.info.metrics)
             rep = reports[e.path]
-            if not rep.ok and not os.path.isdir(e.path):
+            if not rep.ok and not (_has_manifest(e.path) if is_remote(e.path) else os.path.isdir(e.path)):
                 continue  # deleted (by retention) while we looked: not corrupt, just gone
             row["verified"] = "deep" if args.verify else "sizes"
             if not rep.ok:
                 row["status"] = "corrupt"
                 row["problems"] = rep.problems
         else:
-            with contextlib.suppress(OSError):
-                row["created_at"] = human.iso(os.path.getmtime(e.path))
-            row["nbytes"] = _dir_size(e.path)
+            if not is_remote(e.path):
+                with contextlib.suppress(OSError):
+                    row["created_at"] = human.iso(os.path.getmtime(e.path))
+            row["nbytes"] = _entry_size(e)
         if e.status in ("staging", "trash"):
             row["status"] = f"{e.status} ({'live writer' if live else 'leftover'})"
         rows.append(row)
@@ -380,7 +409,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         ui.json({"root": root, "lease": lease, "entries": rows})
         return 0
     if not rows:
-        hint = " (it is a checkpoint itself: try `safeckpt inspect`)" if os.path.isfile(os.path.join(root, MANIFEST)) else ""
+        hint = " (it is a checkpoint itself: try `safeckpt inspect`)" if _has_manifest(root) else ""
         ui.echo(f"no checkpoints under {root}{hint}")
     else:
         ui.table(
@@ -410,7 +439,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
-    ckpt = os.path.abspath(args.ckpt)
+    ckpt = resolve(args.ckpt)
     man = open_manifest(ckpt)
     order = _tensor_order(man)
     tensors = []
@@ -469,7 +498,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
-    ckpt = os.path.abspath(args.ckpt)
+    ckpt = resolve(args.ckpt)
     try:
         man = open_manifest(ckpt)
         total = _checkpoint_files_size(man) if args.deep else 0
@@ -527,6 +556,13 @@ def _break_lease(root: str, ui: UI) -> None:
     lease = _lease(root)
     if lease is None:
         return
+    if is_remote(root):
+        from ._remote import break_lock
+
+        break_lock(root)
+        ui.warn(f"warning: broke the writer lease of run {lease['run_id']} on {lease['host']} pid {lease['pid']}"
+                + (" (it looked LIVE: if that job is still saving, its checkpoint may be lost)" if lease["live"] else ""))
+        return
     aside = os.path.join(root, f"{LOCK_NAME}.broken-{uuid.uuid4().hex[:8]}")
     try:
         os.rename(os.path.join(root, LOCK_NAME), aside)
@@ -543,7 +579,7 @@ def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
     lease = _lease(root)
     live = bool(lease and lease["live"])
     refused = live and not args.break_lock
-    lock: RootLock | None = None
+    lock: Any = None
     if not args.dry_run:
         if lease is not None and refused:
             raise CheckpointLocked(
@@ -554,20 +590,20 @@ def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
         if args.break_lock:
             _break_lease(root, ui)
         # Hold the lease while deleting, so no writer starts saving into what we clean.
-        lock = RootLock(root, run_id=f"safeckpt-gc-{os.getpid()}-{uuid.uuid4().hex[:8]}", lease=GC_LEASE)
+        lock = writer_lease(root, run_id=f"safeckpt-gc-{os.getpid()}-{uuid.uuid4().hex[:8]}", lease=GC_LEASE)
         lock.acquire()
     removed: list[dict[str, Any]] = []
     try:
         leftovers, doomed, alone = _gc_plan(root, policy)
         for e, why in [(e, f"{e.status} leftover") for e in leftovers] + [(e, "retention") for e in doomed]:
-            size = _dir_size(e.path)
+            size = _entry_size(e)
             if not args.dry_run:
-                remove_tree(e.path)
+                remove_entry(e)
             removed.append({"name": e.name, "step": e.step, "reason": why, "nbytes": size})
     finally:
         if lock is not None:
             lock.release()
-    gone = {r["name"] for r in removed}
+    gone = {r["name"] for r in removed if r["reason"] == "retention"}  # (a remote leftover shares its checkpoint's name)
     kept = [e.name for e in scan(root) if e.status == "committed" and e.name not in gone]
     if args.json:
         ui.json({"root": root, "dry_run": args.dry_run, "removed": removed, "kept": kept,
@@ -635,7 +671,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
-    pa, pb = os.path.abspath(args.a), os.path.abspath(args.b)
+    pa, pb = resolve(args.a), resolve(args.b)
     ma, mb = open_manifest(pa), open_manifest(pb)
     ta, tb = ma["tensors"], mb["tensors"]
     only_a = [k for k in _tensor_order(ma) if k not in tb]
@@ -754,7 +790,7 @@ def _output_file(path: str, overwrite: bool) -> str:
 def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
     from ._convert import consolidate
 
-    ckpt = os.path.abspath(args.ckpt)
+    ckpt = resolve(args.ckpt)
     out = _output_file(args.output, args.overwrite)
     total = _selected_nbytes(ckpt, args.only)
     with ui.progress(total, "consolidating") as advance:

@@ -17,15 +17,15 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 from ._async import AsyncSaver
-from ._catalog import committed, scan, step_dirname
-from ._commit import remove_tree
+from ._catalog import committed, remove_entry, scan, step_dirname
 from ._dist import Coordinator, resolve_timeout
 from ._load import load
-from ._lock import DEFAULT_LEASE, RootLock
+from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
 from ._offline import verify
 from ._preempt import PreemptionWatcher
-from ._save import _SaveJob
+from ._save import _SaveJob, new_job
+from ._storage import is_remote, join, resolve
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
 
@@ -36,7 +36,8 @@ class CheckpointManager:
     """Save, restore, retain and list checkpoints of one training job under ``root``.
 
     Args:
-        root: local or shared-filesystem directory.
+        root: local or shared-filesystem directory, or an fsspec URL (``s3://bucket/prefix``;
+            needs the ``remote`` extra and the scheme's filesystem package).
         keep_last: keep the newest N checkpoints (None keeps all).
         keep_best, best_metric, best_mode: also keep the N best by a metric passed to save().
         keep_every: also keep every checkpoint whose step is divisible by this.
@@ -62,19 +63,17 @@ class CheckpointManager:
         preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
         lease: float = DEFAULT_LEASE,
     ) -> None:
-        root_str = os.fspath(root)
-        if "://" in root_str and not root_str.startswith("file://"):
-            raise NotImplementedError(
-                f"remote roots ({root_str}) are not supported yet; use a local or shared-filesystem "
-                "directory (NFS/Lustre/GPFS mounts work)."
-            )
-        self.root = os.path.abspath(root_str.removeprefix("file://"))
+        self.root = resolve(root)
+        if is_remote(self.root):
+            from ._remote import locate
+
+            locate(self.root)  # fsspec and the scheme's package are installed, or a clear error now
         self.policy = RetentionPolicy(keep_last, keep_best, best_metric, best_mode, keep_every)
         self.timeout = resolve_timeout(timeout)
         self.async_save = bool(async_save)
         self._saver = AsyncSaver() if async_save else None
         self._pool: dict[str, Any] = {}
-        self._lock = RootLock(self.root, lease=lease)
+        self._lock = writer_lease(self.root, lease=lease)
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._preempted = False
         self._restored: int | None = None
@@ -175,10 +174,10 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # one save in flight; raises the previous background save's error
-        path = os.path.join(self.root, step_dirname(step))
+        path = join(self.root, step_dirname(step))
         coord = self._coord(what=f"save of step {step} to {path}")
         coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
-        job = _SaveJob(coord, path, state, metadata, True, step, metrics, "auto")
+        job = new_job(coord, path, state, metadata, True, step, metrics, "auto")
         job.agree()
         if self._saver is None:
             return self._finish(job, coord)
@@ -195,7 +194,7 @@ class CheckpointManager:
         self._lock.acquire()
         for e in scan(self.root):
             if e.status in ("staging", "trash"):
-                remove_tree(e.path)
+                remove_entry(e)
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
         info = job.finish()
@@ -213,7 +212,7 @@ class CheckpointManager:
         doomed = self.policy.delete([(e.step, e.info.metrics if e.info else {}) for e in entries], protect)
         by_step = {e.step: e for e in entries}
         for s in doomed:
-            remove_tree(by_step[s].path)
+            remove_entry(by_step[s])
         return doomed
 
     def wait(self) -> CheckpointInfo | None:
