@@ -53,6 +53,18 @@ def read_lock(root: str) -> dict[str, Any] | None:
         return None
 
 
+def locked_error(root: str, holder: dict[str, Any], lease: float) -> CheckpointLocked:
+    """The error for a second writer: who holds the root and what to do."""
+    return CheckpointLocked(
+        f"{root} is being written by another job (run {holder.get('run_id')}, "
+        f"host {holder.get('host')}, pid {holder.get('pid')}, heartbeat "
+        f"{holder.get('age', 0):.0f}s ago). Two jobs must not share a checkpoint root: "
+        "stop the other job or use another root. If it is gone, the lease expires "
+        f"{holder.get('lease', lease):.0f}s after its last heartbeat "
+        "(or run `safeckpt gc --break-lock ROOT`)."
+    )
+
+
 def holder_is_live(holder: dict[str, Any], lease: float = DEFAULT_LEASE) -> bool:
     if holder.get("age", 0.0) > holder.get("lease", lease):
         return False
@@ -94,14 +106,7 @@ class RootLock:
                     continue
                 same_job = holder.get("run_id") == self.run_id and "TORCHELASTIC_RUN_ID" in os.environ
                 if holder_is_live(holder, self.lease) and not same_job:
-                    raise CheckpointLocked(
-                        f"{self.root} is being written by another job (run {holder.get('run_id')}, "
-                        f"host {holder.get('host')}, pid {holder.get('pid')}, heartbeat "
-                        f"{holder.get('age', 0):.0f}s ago). Two jobs must not share a checkpoint root: "
-                        "stop the other job or use another root. If it is gone, the lease expires "
-                        f"{holder.get('lease', self.lease):.0f}s after its last heartbeat "
-                        "(or run `safeckpt gc --break-lock ROOT`)."
-                    ) from None
+                    raise locked_error(self.root, holder, self.lease) from None
                 aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
                 try:
                     os.rename(self.path, aside)

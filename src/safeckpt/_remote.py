@@ -37,7 +37,6 @@ import json
 import os
 import re
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -49,10 +48,10 @@ import torch
 import xxhash
 
 from ._catalog import Entry, parse_step
-from ._lock import DEFAULT_LEASE, LOCK_NAME, holder_is_live
-from ._manifest import FORMAT, MANIFEST, CheckpointInfo, dtype_code, parse_manifest
+from ._lock import DEFAULT_LEASE, LOCK_NAME, holder_is_live, locked_error
+from ._manifest import FORMAT, MANIFEST, CheckpointInfo, parse_manifest
 from ._save import _SaveJob
-from ._shardfile import PIECE, WrittenChunk, WrittenFile, tensor_bytes
+from ._shardfile import WrittenFile, stream_safetensors
 from .errors import (
     CheckpointError,
     CheckpointExists,
@@ -200,47 +199,18 @@ open_manifest = read_manifest
 # --------------------------------------------------------------------------- writing
 
 
-def _header(items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> tuple[list[tuple[str, torch.Tensor]], bytes]:
-    """The tensors in file order and the safetensors header: exactly as _shardfile.write_file
-    lays out a local file (tests check the bytes are identical)."""
-    order = sorted(items, key=lambda it: -it[1].element_size())
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in order:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return order, struct.pack("<Q", len(raw)) + raw
-
-
 def write_object(loc: Loc, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> WrittenFile:
-    """Stream ``items`` as one safetensors object at ``loc``, hashing while writing. The object
-    exists only once the upload completed; on any error the upload is abandoned."""
-    order, prefix = _header(items, metadata)
-    file_hash = xxhash.xxh3_128()
-    chunks: list[WrittenChunk] = []
+    """Stream ``items`` as one safetensors object at ``loc``, hashing while writing (the same
+    bytes as a local file). The object exists only once the upload completed; on any error the
+    upload is abandoned."""
     f = loc.fs.open(loc.path, "wb")
     try:
-        file_hash.update(prefix)
-        f.write(prefix)
-        pos = len(prefix)
-        for name, t in order:
-            data = tensor_bytes(t)
-            chunk_hash = xxhash.xxh3_64()
-            for off in range(0, len(data), PIECE):
-                piece = data[off : off + PIECE]
-                chunk_hash.update(piece)
-                file_hash.update(piece)
-                f.write(piece)
-            chunks.append(WrittenChunk(name, pos, pos + len(data), chunk_hash.hexdigest()))
-            pos += len(data)
+        written = stream_safetensors(items, metadata, f.write)
     except BaseException:
         _abandon(f)
         raise
     f.close()  # completes the upload; raises if it failed
-    return WrittenFile(size=pos, xxh3_128=file_hash.hexdigest(), chunks=tuple(chunks))
+    return written
 
 
 def _abandon(f: Any) -> None:
@@ -332,13 +302,7 @@ class RemoteSaveJob(_SaveJob):
                 _rm(ckpt.child(name))
             except Exception:  # noqa: BLE001
                 pass
-        return {
-            "path": self.target,
-            "step": self.step,
-            "world_size": self.coord.world_size,
-            "created_at": manifest["created_at"],
-            "nbytes": sum(f["size"] for f in files.values()),
-        }
+        return self._committed_info(manifest, files)
 
     def _discard(self, token: str) -> None:
         """After a failed save: delete this save's objects, unless its manifest landed."""
@@ -646,14 +610,7 @@ class RemoteLock:
             if holder is not None:
                 same_job = holder.get("run_id") == self.run_id and "TORCHELASTIC_RUN_ID" in os.environ
                 if holder.get("nonce") != self.nonce and holder_is_live(holder, self.lease) and not same_job:
-                    raise CheckpointLocked(
-                        f"{self.root} is being written by another job (run {holder.get('run_id')}, "
-                        f"host {holder.get('host')}, pid {holder.get('pid')}, heartbeat "
-                        f"{holder.get('age', 0):.0f}s ago). Two jobs must not share a checkpoint root: "
-                        "stop the other job or use another root. If it is gone, the lease expires "
-                        f"{holder.get('lease', self.lease):.0f}s after its last heartbeat "
-                        "(or run `safeckpt gc --break-lock ROOT`)."
-                    )
+                    raise locked_error(self.root, holder, self.lease)
                 _rm(self._loc())  # stale: take it over
             self._started = time.time()
             try:

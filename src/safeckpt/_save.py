@@ -357,6 +357,10 @@ class _SaveJob:
                 f"{self.target} appeared while saving (another job writing the same path?); "
                 "nothing was replaced."
             ) from None
+        return self._committed_info(manifest, files)
+
+    def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
+        """What every rank learns about the checkpoint just published."""
         return {
             "path": self.target,
             "step": self.step,

@@ -18,7 +18,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +126,18 @@ def _drop_cache(fd: int, start: int, length: int) -> None:
         pass
 
 
-def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> WrittenFile:
-    """Write ``items`` (name, tensor) as a safetensors file at ``path`` (must not exist), fsynced."""
+def stream_safetensors(
+    items: Sequence[tuple[str, torch.Tensor]],
+    metadata: dict[str, str],
+    write: Callable[[memoryview], None],
+    written_upto: Callable[[int], None] | None = None,
+) -> WrittenFile:
+    """Emit ``items`` as one safetensors stream through ``write``, hashing while writing.
+
+    The one layout both the local writer and the object-store writer use: tensors in order of
+    descending element size (every tensor aligned), header padded to 8 bytes.
+    ``written_upto(pos)`` is told after each piece how many bytes have been written.
+    """
     order = sorted(items, key=lambda it: -it[1].element_size())
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -138,32 +148,37 @@ def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: d
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
-    base = len(prefix)
 
-    file_hash = xxhash.xxh3_128()
+    file_hash = xxhash.xxh3_128(prefix)
+    write(memoryview(prefix))
     chunks: list[WrittenChunk] = []
+    pos = len(prefix)
+    for name, t in order:
+        data = tensor_bytes(t)
+        chunk_hash = xxhash.xxh3_64()
+        for off in range(0, len(data), PIECE):
+            piece = data[off : off + PIECE]
+            chunk_hash.update(piece)
+            file_hash.update(piece)
+            write(piece)
+            if written_upto is not None:
+                written_upto(pos + off + len(piece))
+        chunks.append(WrittenChunk(name, pos, pos + len(data), chunk_hash.hexdigest()))
+        pos += len(data)
+    return WrittenFile(size=pos, xxh3_128=file_hash.hexdigest(), chunks=tuple(chunks))
+
+
+def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> WrittenFile:
+    """Write ``items`` (name, tensor) as a safetensors file at ``path`` (must not exist), fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         writeback = _EarlyWriteback(fd)
-        file_hash.update(prefix)
-        _write_all(fd, memoryview(prefix))
-        pos = base
-        for name, t in order:
-            data = tensor_bytes(t)
-            chunk_hash = xxhash.xxh3_64()
-            for off in range(0, len(data), PIECE):
-                piece = data[off : off + PIECE]
-                chunk_hash.update(piece)
-                file_hash.update(piece)
-                _write_all(fd, piece)
-                writeback.advance(pos + off + len(piece))
-            chunks.append(WrittenChunk(name, pos, pos + len(data), chunk_hash.hexdigest()))
-            pos += len(data)
+        written = stream_safetensors(items, metadata, lambda data: _write_all(fd, data), writeback.advance)
         os.fsync(fd)
         writeback.finish()
     finally:
         os.close(fd)
-    return WrittenFile(size=pos, xxh3_128=file_hash.hexdigest(), chunks=tuple(chunks))
+    return written
 
 
 def hash_file(path: str, block: int = 8 << 20) -> tuple[int, str]:
