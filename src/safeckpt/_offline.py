@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +33,12 @@ class VerifyReport:
         return self.ok
 
 
-def verify(path: str | os.PathLike[str], deep: bool = True) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], deep: bool = True, *, progress: Callable[[int], None] | None = None
+) -> VerifyReport:
     """Check a checkpoint: manifest, files present with the right sizes, chunks covering every
-    tensor, and with ``deep`` every file's checksum (reads all bytes once)."""
+    tensor, and with ``deep`` every file's checksum (reads all bytes once; ``progress(n)`` is
+    told about every n bytes hashed)."""
     ckpt = resolve(path)
     remote = is_remote(ckpt)
     if remote:
@@ -67,7 +71,7 @@ def verify(path: str | os.PathLike[str], deep: bool = True) -> VerifyReport:
             problems.append(f"{name}: {size} bytes on disk, manifest says {rec['size']} (truncated?)")
             continue
         if deep:
-            _, digest = (remote_hash_file if remote else hash_file)(fpath)
+            _, digest = (remote_hash_file if remote else hash_file)(fpath, progress=progress)
             if digest != rec.get("xxh3_128"):
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
     for key, rec in man["tensors"].items():

@@ -40,7 +40,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -434,7 +434,7 @@ class RemoteFile:
         self._window = None
 
 
-def hash_file(url: str, block: int = 64 << 20) -> tuple[int, str]:
+def hash_file(url: str, block: int = 64 << 20, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
     """(size, xxh3-128) of an object, streamed by ranges."""
     loc = locate(url)
     size = size_of(loc)
@@ -444,7 +444,10 @@ def hash_file(url: str, block: int = 64 << 20) -> tuple[int, str]:
     f = RemoteFile.__new__(RemoteFile)  # reuse the ranged fetch without the size check
     f.loc, f.path, f.size, f._window = loc, url, size, None
     for off in range(0, size, block):
-        h.update(f._fetch(off, min(off + block, size)))
+        end = min(off + block, size)
+        h.update(f._fetch(off, end))
+        if progress is not None:
+            progress(end - off)
     return size, h.hexdigest()
 
 

@@ -181,8 +181,8 @@ def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: d
     return written
 
 
-def hash_file(path: str, block: int = 8 << 20) -> tuple[int, str]:
-    """(size, xxh3-128) of a file, streamed."""
+def hash_file(path: str, block: int = 8 << 20, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """(size, xxh3-128) of a file, streamed; ``progress(n)`` after each block of n bytes."""
     h = xxhash.xxh3_128()
     size = 0
     with open(path, "rb", buffering=0) as f:
@@ -191,6 +191,8 @@ def hash_file(path: str, block: int = 8 << 20) -> tuple[int, str]:
         while n := f.readinto(buf):
             h.update(view[:n])
             size += n
+            if progress is not None:
+                progress(n)
     return size, h.hexdigest()
 
 

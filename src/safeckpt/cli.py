@@ -46,7 +46,7 @@ from . import __version__
 from . import _humanize as human
 from ._catalog import Entry, remove_entry, scan
 from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
-from ._manifest import MANIFEST, CheckpointInfo, read_manifest, safe_file_path, torch_dtype
+from ._manifest import MANIFEST, CheckpointInfo, read_manifest, torch_dtype
 from ._offline import VerifyReport, verify
 from ._reader import TensorReader, open_manifest
 from ._storage import is_remote, join, resolve
@@ -255,33 +255,7 @@ def _checkpoint_files_size(man: dict[str, Any]) -> int:
 
 def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
     """:func:`safeckpt.verify`, feeding a progress bar while it hashes when one is shown."""
-    if not deep or advance is None or is_remote(path):
-        return verify(path, deep=deep)
-    report = verify(path, deep=False)  # structure, presence, sizes
-    try:
-        man = open_manifest(report.path)
-    except (CheckpointError, OSError):
-        return VerifyReport(report.path, False, report.problems, report.step, report.nbytes, deep=True)
-    import xxhash
-
-    problems = list(report.problems)
-    for name, rec in sorted(man["files"].items()):
-        try:
-            fpath = safe_file_path(report.path, name)
-        except CheckpointError:
-            continue  # already reported by the shallow pass
-        if not os.path.isfile(fpath) or os.path.getsize(fpath) != rec["size"]:
-            continue  # likewise
-        h = xxhash.xxh3_128()
-        with open(fpath, "rb", buffering=0) as f:
-            buf = bytearray(8 << 20)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                h.update(view[:n])
-                advance(n)
-        if h.hexdigest() != rec.get("xxh3_128"):
-            problems.append(f"{name}: checksum mismatch (corrupt data)")
-    return VerifyReport(report.path, not problems, problems, report.step, report.nbytes, deep=True)
+    return verify(path, deep=deep, progress=advance)
 
 
 def _dir_size(path: str) -> int:
