@@ -422,12 +422,14 @@ def test_diff_of_a_corrupt_checkpoint_is_an_error(capsys, ckpts, tmp_path):
 
 
 def test_max_abs_diff_edge_values():
+    from safeckpt._cli_diff import _max_abs_diff
+
     a = torch.tensor([1.0, float("nan"), float("inf"), -0.0, 2.0])
-    assert cli._max_abs_diff(a, a.clone()) == 0.0
-    assert cli._max_abs_diff(a, torch.tensor([1.0, float("nan"), float("inf"), 0.0, 2.5])) == 0.5
-    assert cli._max_abs_diff(a, torch.tensor([1.0, 0.0, float("inf"), 0.0, 2.0])) == float("inf")
-    assert cli._max_abs_diff(torch.tensor([True, False]), torch.tensor([True, True])) == 1.0
-    assert cli._max_abs_diff(torch.arange(10, dtype=torch.int64), torch.arange(10, dtype=torch.int64) * 2, piece=3) == 9.0
+    assert _max_abs_diff(a, a.clone()) == 0.0
+    assert _max_abs_diff(a, torch.tensor([1.0, float("nan"), float("inf"), 0.0, 2.5])) == 0.5
+    assert _max_abs_diff(a, torch.tensor([1.0, 0.0, float("inf"), 0.0, 2.0])) == float("inf")
+    assert _max_abs_diff(torch.tensor([True, False]), torch.tensor([True, True])) == 1.0
+    assert _max_abs_diff(torch.arange(10, dtype=torch.int64), torch.arange(10, dtype=torch.int64) * 2, piece=3) == 9.0
 
 
 # ----------------------------------------------------------------------------- consolidate

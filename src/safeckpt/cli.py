@@ -34,23 +34,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from . import __version__
 from . import _humanize as human
 from ._catalog import Entry, remove_entry, scan
+from ._cli_common import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    GC_LEASE,
+    UI,
+    Advance,
+    UsageError,
+    _checkpoint_files_size,
+    _short,
+    _step,
+    _tensor_nbytes,
+    _tensor_order,
+    _values,
+)
+from ._cli_diff import cmd_diff
 from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
-from ._manifest import MANIFEST, CheckpointInfo, read_manifest, torch_dtype
+from ._manifest import MANIFEST, CheckpointInfo, read_manifest
 from ._offline import VerifyReport, verify
-from ._reader import TensorReader, open_manifest
+from ._reader import open_manifest
 from ._storage import is_remote, join, resolve
-from ._tree import decode, tensor_keys
+from ._tree import tensor_keys
 from .errors import (
     CheckpointError,
     CheckpointExists,
@@ -59,198 +72,6 @@ from .errors import (
     CorruptCheckpoint,
 )
 from .retention import RetentionPolicy
-
-Advance = Callable[[int], None]
-
-EXIT_DIFFERENT = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-ABSENT = "<absent>"
-INSTALL_HINT = "install rich for tables and progress bars: pip install 'safeckpt[cli]'"
-GC_LEASE = 30.0  # a crashed gc blocks writers on other hosts for at most this long
-
-
-class UsageError(Exception):
-    """Bad arguments found after parsing (exit 2)."""
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _rich() -> Any:
-    try:
-        import rich  # noqa: F401
-    except ImportError:
-        return None
-    return rich
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
-class UI:
-    """Where output goes: plain text when piped, rich tables and progress bars on a terminal."""
-
-    def __init__(self) -> None:
-        self._hinted = False
-
-    @property
-    def out(self) -> Any:
-        return sys.stdout
-
-    @property
-    def err(self) -> Any:
-        return sys.stderr
-
-    def _hint(self) -> None:
-        if not self._hinted:
-            self._hinted = True
-            print(f"safeckpt: note: {INSTALL_HINT}", file=self.err)
-
-    def echo(self, text: str = "") -> None:
-        print(text, file=self.out)
-
-    def warn(self, text: str) -> None:
-        print(f"safeckpt: {text}", file=self.err)
-
-    def json(self, obj: Any) -> None:
-        print(json.dumps(_json_safe(obj), indent=2), file=self.out)
-
-    def table(self, headers: list[str], rows: list[list[str]], *, right: frozenset[int] | set[int] = frozenset()) -> None:
-        if _isatty(self.out):
-            rich = _rich()
-            if rich is None:
-                self._hint()
-            else:
-                from rich.console import Console
-                from rich.table import Table
-
-                t = Table(show_edge=False, pad_edge=False)
-                for i, h in enumerate(headers):
-                    t.add_column(h, justify="right" if i in right else "left", no_wrap=i == 0, overflow="fold")
-                for r in rows:
-                    t.add_row(*r)
-                Console(file=self.out).print(t)
-                return
-        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-
-        def line(cells: list[str]) -> str:
-            parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-            return "  ".join(parts).rstrip()
-
-        self.echo(line(headers))
-        for r in rows:
-            self.echo(line(r))
-
-    @contextlib.contextmanager
-    def progress(self, total: int, what: str) -> Iterator[Advance | None]:
-        """A byte-counting progress bar on stderr, or None when stderr is not a terminal."""
-        forced = os.environ.get("SAFECKPT_PROGRESS", "")
-        enabled = forced == "1" or (forced != "0" and _isatty(self.err))
-        if not enabled or total <= 0:
-            yield None
-            return
-        if _rich() is None:
-            self._hint()
-            yield None
-            return
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-            TransferSpeedColumn(), TimeRemainingColumn(),
-            console=Console(file=self.err), transient=True,
-        ) as bar:
-            task = bar.add_task(what, total=total)
-            yield lambda n: bar.advance(task, n)
-
-
-def _json_safe(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _step(step: int | None) -> str:
-    return "-" if step is None else str(step)
-
-
-def _short(value: Any, width: int = 60) -> str:
-    text = json.dumps(_json_safe(value)) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-# --------------------------------------------------------------------------- shared pieces
-
-
-class _TensorRef:
-    """Stands for a tensor while walking a manifest's object trees without reading data."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _values(man: dict[str, Any]) -> dict[str, Any]:
-    """The non-tensor leaves of every object, flattened to ``object/sub/key`` (as tensor keys are).
-
-    A list or tuple holding no dict and no tensor counts as one value (``param_groups/0/params``)."""
-    out: dict[str, Any] = {}
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, _TensorRef):
-            return
-        if isinstance(value, dict):
-            if not value:
-                out[prefix] = {}
-            for k, v in value.items():
-                walk(v, f"{prefix}/{k}")
-        elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple, _TensorRef)) for v in value):
-            for i, v in enumerate(value):
-                walk(v, f"{prefix}/{i}")
-        else:
-            out[prefix] = list(value) if isinstance(value, tuple) else value
-
-    for name, obj in man["objects"].items():
-        walk(decode(obj["tree"], _TensorRef), name)
-    return out
-
-
-def _tensor_order(man: dict[str, Any]) -> list[str]:
-    """Tensor keys in the order their objects list them (state-dict order), then any others."""
-    seen: dict[str, None] = {}
-    for obj in man["objects"].values():
-        for key in tensor_keys(obj["tree"]):
-            seen.setdefault(key, None)
-    for key in man["tensors"]:
-        seen.setdefault(key, None)
-    return list(seen)
-
-
-def _tensor_nbytes(rec: dict[str, Any]) -> int:
-    return math.prod(rec["shape"]) * torch_dtype(rec["dtype"]).itemsize
-
-
-def _checkpoint_files_size(man: dict[str, Any]) -> int:
-    return sum(int(f["size"]) for f in man["files"].values())
 
 
 def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
@@ -598,132 +419,6 @@ def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
         ui.echo(_lease_line(lease))
         ui.echo("gc would refuse to run now (use --break-lock only if that job is gone)")
     return 0
-
-
-# --------------------------------------------------------------------------- diff
-
-
-def _max_abs_diff(a: Any, b: Any, piece: int = 1 << 22) -> float:
-    """max |a - b| over elements (NaN == NaN, equal infinities count as 0), in bounded pieces."""
-    import torch
-
-    fa, fb = a.reshape(-1), b.reshape(-1)
-    best = 0.0
-    for start in range(0, fa.numel(), piece):
-        x, y = fa[start:start + piece], fb[start:start + piece]
-        same = x == y
-        if x.is_floating_point() or x.is_complex():
-            same |= torch.isnan(x) & torch.isnan(y)
-        if bool(same.all()):
-            continue
-        wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
-        d = (x.to(wide) - y.to(wide)).abs()  # real float64 either way
-        d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
-        d = torch.nan_to_num(d, nan=math.inf)  # NaN against a number: infinitely different
-        best = max(best, float(d.max()))
-    return best
-
-
-def _dict_diff(a: dict[str, Any], b: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """Keys whose values differ (NaN equals NaN), absent ones shown as ``"<absent>"``."""
-    out = []
-    for k in dict.fromkeys([*a, *b]):
-        x, y = _json_safe(a.get(k, ABSENT)), _json_safe(b.get(k, ABSENT))
-        if x != y:
-            out.append({"key": prefix + k, "a": x, "b": y})
-    return out
-
-
-def _bitwise_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
-    pa, pb = resolve(args.a), resolve(args.b)
-    ma, mb = open_manifest(pa), open_manifest(pb)
-    ta, tb = ma["tensors"], mb["tensors"]
-    only_a = [k for k in _tensor_order(ma) if k not in tb]
-    only_b = [k for k in _tensor_order(mb) if k not in ta]
-    common = [k for k in _tensor_order(ma) if k in tb]
-    results: list[dict[str, Any]] = []
-    mismatched: list[dict[str, Any]] = []
-    comparable = [k for k in common if list(ta[k]["shape"]) == list(tb[k]["shape"])]
-    total = sum(_tensor_nbytes(ta[k]) + _tensor_nbytes(tb[k]) for k in comparable)
-    ra, rb = TensorReader(pa, ma), TensorReader(pb, mb)
-    try:
-        with ui.progress(total, "comparing") as advance:
-            for k in common:
-                da, db = ta[k]["dtype"], tb[k]["dtype"]
-                sa, sb = list(ta[k]["shape"]), list(tb[k]["shape"])
-                if sa != sb or da != db:
-                    mismatched.append({"key": k, "a": {"dtype": da, "shape": sa}, "b": {"dtype": db, "shape": sb}})
-                if sa != sb:
-                    continue
-                x, y = ra.new(k), rb.new(k)
-                same = _bitwise_equal(x, y)
-                diff = 0.0 if same else _max_abs_diff(x, y)
-                results.append({"key": k, "dtype": da if da == db else f"{da}/{db}", "shape": sa,
-                                "identical": same, "max_abs_diff": diff,
-                                "equal": same or (da == db and diff <= args.atol)})
-                del x, y
-                if advance:
-                    advance(_tensor_nbytes(ta[k]) + _tensor_nbytes(tb[k]))
-    finally:
-        ra.close()
-        rb.close()
-
-    va, vb = _values(ma), _values(mb)
-    values = _dict_diff(va, vb, "")
-    meta = _dict_diff(ma.get("metadata") or {}, mb.get("metadata") or {}, "metadata/")
-    meta += _dict_diff(ma.get("metrics") or {}, mb.get("metrics") or {}, "metrics/")
-    differing = [r for r in results if not r["equal"]]
-    different = bool(only_a or only_b or mismatched or differing or values or meta)
-    code = EXIT_DIFFERENT if different else 0
-    if args.json:
-        ui.json({"a": pa, "b": pb, "identical": not different, "exit_code": code,
-                 "only_in_a": only_a, "only_in_b": only_b, "mismatched": mismatched,
-                 "tensors": results, "values": values, "metadata": meta,
-                 "steps": [ma.get("step"), mb.get("step")],
-                 "world_sizes": [ma.get("world_size"), mb.get("world_size")]})
-        return code
-    ui.echo(f"A  {pa}  (step {_step(ma.get('step'))}, world size {ma.get('world_size')})")
-    ui.echo(f"B  {pb}  (step {_step(mb.get('step'))}, world size {mb.get('world_size')})")
-    shown = results if args.all else differing
-    if shown:
-        ui.echo("")
-        ui.table(["TENSOR", "DTYPE", "SHAPE", "MAX |A-B|"],
-                 [[r["key"], r["dtype"], human.shape(r["shape"]),
-                   "0" if r["identical"] else f"{r['max_abs_diff']:.6g}"] for r in shown], right={3})
-    sections = [
-        ("only in A", [f"{k}  {ta[k]['dtype']} {human.shape(ta[k]['shape'])}" for k in only_a]),
-        ("only in B", [f"{k}  {tb[k]['dtype']} {human.shape(tb[k]['shape'])}" for k in only_b]),
-        ("dtype/shape differ", [f"{m['key']}  A {m['a']['dtype']} {human.shape(m['a']['shape'])}, "
-                                f"B {m['b']['dtype']} {human.shape(m['b']['shape'])}" for m in mismatched]),
-        ("values differ", [f"{v['key']}  A {_short(v['a'], 40)}, B {_short(v['b'], 40)}" for v in values]),
-        ("metadata differ", [f"{m['key']}  A {_short(m['a'], 40)}, B {_short(m['b'], 40)}" for m in meta]),
-    ]
-    for title, lines in sections:
-        if lines:
-            ui.echo("")
-            ui.echo(f"{title} ({len(lines)}):")
-            for line in lines:
-                ui.echo(f"  {line}")
-    ui.echo("")
-    if different:
-        ui.echo(f"different: {len(differing)} of {len(results)} compared tensor(s) differ"
-                + (f" beyond --atol {args.atol:g}" if args.atol else "")
-                + f", {len(only_a)} only in A, {len(only_b)} only in B, {len(mismatched)} dtype/shape, "
-                f"{len(values)} value(s), {len(meta)} metadata")
-    else:
-        ui.echo(f"identical: {len(results)} tensor(s), {len(va)} value(s)"
-                + (f" (within --atol {args.atol:g})" if any(not r["identical"] for r in results) else ""))
-    return code
 
 
 # --------------------------------------------------------------------------- consolidate, convert
