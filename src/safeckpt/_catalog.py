@@ -104,6 +104,25 @@ def _scan_once(root: str, retry: bool = True) -> list[Entry] | None:
     return out
 
 
+def leftovers(root: str) -> list[Entry]:
+    """Staging/trash leftovers only: on a local root, from names alone (no manifest is read, so
+    the sweep before every save stays cheap however many checkpoints are kept)."""
+    if is_remote(root):
+        return [e for e in scan(root) if e.status in ("staging", "trash")]
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _LEFTOVER_RE.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isdir(path) and not os.path.islink(path):
+            kind = "staging" if m.group(2) == STAGING_MARK else "trash"
+            out.append(Entry(name, path, kind, parse_step(m.group(1))))
+    return out
+
+
 def committed(root: str) -> list[Entry]:
     if is_remote(root):
         from ._remote import scan as remote_scan
