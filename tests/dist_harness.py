@@ -113,3 +113,29 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
         o.exitcode = p.exitcode
         result.append(o)
     return result
+
+
+def attempt(fn: Callable[[], Any]) -> dict:
+    """Run ``fn``; describe its outcome (picklable) with the time it took."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        return {"ok": True, "value": value, "elapsed": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {
+            "ok": False,
+            "type": type(exc).__name__,
+            "mro": [c.__name__ for c in type(exc).__mro__],
+            "msg": str(exc),
+            "failures": dict(getattr(exc, "failures", {}) or {}),
+            "elapsed": time.monotonic() - t0,
+        }
+
+
+def leftovers(root: Any) -> list[str]:
+    """Staging/trash leftovers directly under ``root``."""
+    from safeckpt._manifest import STAGING_MARK, TRASH_MARK
+
+    return sorted(n for n in os.listdir(root) if STAGING_MARK in n or TRASH_MARK in n)

@@ -16,31 +16,14 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._manifest import STAGING_MARK, TRASH_MARK
+from safeckpt._manifest import STAGING_MARK
 from tests import dist_harness
 
 CRASH_TIMEOUT = 60.0  # SAFECKPT_TIMEOUT in crash runs: a dead peer must be seen long before it
 
 
-def _attempt(fn) -> dict:
-    """Run ``fn``; describe its outcome (picklable) with the time it took."""
-    t0 = time.monotonic()
-    try:
-        value = fn()
-        return {"ok": True, "value": value, "elapsed": time.monotonic() - t0}
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        return {
-            "ok": False,
-            "type": type(exc).__name__,
-            "mro": [c.__name__ for c in type(exc).__mro__],
-            "msg": str(exc),
-            "failures": dict(getattr(exc, "failures", {}) or {}),
-            "elapsed": time.monotonic() - t0,
-        }
-
-
-def _leftovers(root) -> list[str]:
-    return sorted(n for n in os.listdir(root) if STAGING_MARK in n or TRASH_MARK in n)
+_attempt = dist_harness.attempt
+_leftovers = dist_harness.leftovers
 
 
 def _visible(root) -> list[str]:
