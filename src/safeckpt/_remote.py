@@ -51,7 +51,7 @@ from ._catalog import Entry, parse_step
 from ._lock import DEFAULT_LEASE, LOCK_NAME, holder_is_live, locked_error
 from ._manifest import FORMAT, MANIFEST, CheckpointInfo, parse_manifest
 from ._save import _SaveJob
-from ._shardfile import WrittenFile, stream_safetensors
+from ._shardfile import WrittenFile, check_chunk, is_empty, stream_safetensors
 from .errors import (
     CheckpointError,
     CheckpointExists,
@@ -388,23 +388,12 @@ class RemoteFile:
                 "overwrite?)", path=self.loc.parent_url,
             ) from None
 
-    def _check(self, data: bytes | memoryview, start: int, end: int, expect_hash: str | None) -> None:
-        if expect_hash is not None and xxhash.xxh3_64_hexdigest(data) != expect_hash:
-            raise CorruptCheckpoint(
-                f"checksum mismatch in {self.path} bytes {start}-{end}: the object is corrupt. "
-                "Load an older checkpoint (CheckpointManager.restore falls back automatically).",
-                path=self.loc.parent_url,
-            )
-
     def tensor(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], expect_hash: str | None) -> torch.Tensor:
         """The bytes [start, end) as a (fresh) tensor; verified if a hash is given."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel == 0 or end == start:
+        if is_empty(shape, start, end):
             return torch.empty(tuple(shape), dtype=dtype)
         data = self.read(start, end)
-        self._check(data, start, end, expect_hash)
+        check_chunk(data, expect_hash, f"{self.path} bytes {start}-{end}", self.loc.parent_url)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
     def rows(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], r0: int, r1: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import math
 import mmap
 import os
 import struct
@@ -196,6 +197,21 @@ def hash_file(path: str, block: int = 8 << 20, progress: Callable[[int], None] |
     return size, h.hexdigest()
 
 
+def is_empty(shape: Sequence[int], start: int, end: int) -> bool:
+    """A chunk with no elements (or no bytes): nothing to read or verify."""
+    return math.prod(shape) == 0 or end == start
+
+
+def check_chunk(data: bytes | memoryview, expect_hash: str | None, where: str, ckpt: str) -> None:
+    """Raise CorruptCheckpoint unless ``data`` has the xxh3-64 ``expect_hash`` (None: unchecked)."""
+    if expect_hash is not None and xxhash.xxh3_64_hexdigest(data) != expect_hash:
+        raise CorruptCheckpoint(
+            f"checksum mismatch in {where}: the data is corrupt. "
+            "Load an older checkpoint (CheckpointManager.restore falls back automatically).",
+            path=ckpt,
+        )
+
+
 class MappedFile:
     """A read-only view of one data file, checked against its recorded size."""
 
@@ -218,19 +234,11 @@ class MappedFile:
 
     def tensor(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], expect_hash: str | None) -> torch.Tensor:
         """The bytes [start, end) as a tensor (aliasing the mapping); verified if a hash is given."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        if numel == 0 or end == start:
+        if is_empty(shape, start, end):
             return torch.empty(tuple(shape), dtype=dtype)
         assert self._mm is not None
         view = memoryview(self._mm)[start:end]
-        if expect_hash is not None and xxhash.xxh3_64_hexdigest(view) != expect_hash:
-            raise CorruptCheckpoint(
-                f"checksum mismatch in {self.path} bytes {start}-{end}: the file is corrupt. "
-                "Load an older checkpoint (CheckpointManager.restore falls back automatically).",
-                path=os.path.dirname(self.path),
-            )
+        check_chunk(view, expect_hash, f"{self.path} bytes {start}-{end}", os.path.dirname(self.path))
         return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
 
     def close(self) -> None:
