@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 import safeckpt
+from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
 from tests import dist_harness
 
 DATA = "rank-00000.safetensors"
@@ -43,8 +44,14 @@ def _manifest(path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 
 
-def _write_manifest(path, man: dict) -> None:
-    (path / "manifest.json").write_text(json.dumps(man))
+def _write_manifest(path, man: dict, *, sign: bool = True) -> None:
+    """Write an edited manifest. ``sign`` recomputes its checksum (as a tool that knows the
+    format would), so the deeper validation is what must catch the damage."""
+    man = {k: v for k, v in man.items() if k != CHECKSUM_FIELD}
+    if sign:
+        (path / "manifest.json").write_bytes(encode_manifest(man))
+    else:
+        (path / "manifest.json").write_text(json.dumps(man))
 
 
 def _assert_corrupt(path, *, names: str) -> safeckpt.VerifyReport:

@@ -25,6 +25,7 @@ from .errors import (
     SafeckptWarning,
 )
 from .manager import CheckpointManager
+from .per_rank import PerRank
 from .retention import RetentionPolicy
 from .rng import RNGState
 
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointNotFound",
     "CorruptCheckpoint",
     "IncompatibleCheckpoint",
+    "PerRank",
     "RNGState",
     "RankFailure",
     "RankMismatch",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import json
 import os
 import shutil
 import uuid
@@ -63,10 +62,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to a sibling temp file, fsync, rename over ``path``, fsync the directory."""
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to a sibling temp file, fsync, rename over ``path``, fsync the directory."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    data = json.dumps(obj, separators=(",", ":")).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, data)

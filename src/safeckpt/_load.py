@@ -5,8 +5,15 @@
 2. plan  (all ranks)    match the target state against the checkpoint (keys, shapes, dtypes);
                         on a strict load any mismatch raises IncompatibleCheckpoint on every
                         rank before anything in memory is touched.
-3. read  (all ranks)    each rank reads only the chunks it needs, verifying checksums, copying
-                        into existing tensors in place; stateful objects get load_state_dict.
+3. check (all ranks)    each rank reads what it needs: stateful objects' state into fresh
+                        tensors, and the chunks its in-place targets need are verified against
+                        their checksums. Any damage raises CorruptCheckpoint on every rank, and
+                        nothing in the caller's state has been touched yet.
+4. apply (all ranks)    stateful objects get load_state_dict; verified chunks are copied into
+                        the existing tensors in place; plain values are replaced.
+
+Only a user object's own ``load_state_dict`` raising in step 4 can leave state half-loaded
+(the objects before it are loaded); everything read from disk was checked before step 4.
 """
 
 from __future__ import annotations
@@ -16,21 +23,26 @@ import warnings
 from collections.abc import MutableMapping
 from typing import Any
 
+import torch
+
 from . import _optim
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
-from ._reader import TensorReader, open_manifest
+from ._reader import TensorReader, local_box, open_manifest
 from ._storage import resolve
 from ._tree import (
     KEEP,
     PER_RANK_ATTR,
+    SEP,
     Leaf,
     decode,
     encode_object,
+    escape_key,
     kind_of,
     merge_into,
     param_names,
     tensor_keys,
+    unescape_key,
     unwrap_module,
 )
 from .errors import IncompatibleCheckpoint, RankMismatch, SafeckptWarning
@@ -64,8 +76,13 @@ def load(
         )
     manifest = opened[0]["manifest"]
     job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size)
-    coord.run("plan", job.plan, hint="Nothing was loaded; the state is unchanged.")
-    coord.run("read", job.read)
+    unchanged = "Nothing was loaded; the state is unchanged."
+    try:
+        coord.run("plan", job.plan, hint=unchanged)
+        coord.run("check", job.check, hint=unchanged)
+        coord.run("apply", job.apply)
+    finally:
+        job.reader.close()
     return CheckpointInfo.from_manifest(target, manifest, skipped=tuple(job.skipped))
 
 
@@ -136,6 +153,14 @@ class _LoadJob:
                         del self.trees[name]  # not loadable: skipped on a non-strict load
                     else:
                         self.optim_plans[name] = plan
+                elif isinstance(value, torch.optim.Optimizer) and _optim.is_optimizer_tree(tree):
+                    orphans = _optim.orphan_state_keys(tree)
+                    if orphans:
+                        problems.append(
+                            f"{name}: saved optimizer state for {len(orphans)} key(s) in no param "
+                            f"group (e.g. {orphans[0]!r}); it would attach to no parameter"
+                        )
+                        del self.trees[name]
                 continue
             leaves: list[Leaf] = []
             encode_object(name, value, leaves)
@@ -168,35 +193,45 @@ class _LoadJob:
             )
         self.skipped = problems
 
-    def read(self) -> None:
-        try:
-            for name, tree in self.trees.items():
-                value = self.state[name]
-                kind = kind_of(value)
-                if kind == "stateful":
-                    if name in self.optim_plans:
-                        sd = _optim.build_state_dict(self.optim_plans[name], self.reader)
-                    else:
-                        sd = decode(tree, self.reader.new)
-                    try:
-                        value.load_state_dict(sd)
-                    except Exception as exc:
-                        raise IncompatibleCheckpoint(
-                            f"{name!r}.load_state_dict rejected the checkpoint's state: "
-                            f"{type(exc).__name__}: {exc}"
-                        ) from exc
-                    continue
-                matched = self.targets[name]
-                for key, leaf in matched.items():
-                    self.reader.fill(key, leaf.tensor)
-                if kind == "module":
-                    self._finish_module(name, value, matched)
-                elif kind == "tree":
-                    # Matched tensors were filled in place; skipped ones stay as they are.
-                    loaded = decode(tree, lambda k: KEEP)
-                    self.state[name] = merge_into(value, loaded)
-        finally:
-            self.reader.close()
+    def check(self) -> None:
+        """Read stateful objects' state into fresh tensors and verify every chunk the in-place
+        targets need; touches nothing in the caller's state."""
+        self.loaded: dict[str, Any] = {}
+        for name, tree in self.trees.items():
+            value = self.state[name]
+            if kind_of(value) == "stateful":
+                if name in self.optim_plans:
+                    self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], self.reader)
+                else:
+                    self.loaded[name] = decode(tree, self.reader.new)
+                continue
+            for key, leaf in self.targets[name].items():
+                self.reader.check_box(key, local_box(leaf.tensor))
+
+    def apply(self) -> None:
+        """Hand stateful objects their state, then copy verified chunks into place."""
+        for name, sd in self.loaded.items():
+            try:
+                self.state[name].load_state_dict(sd)
+            except Exception as exc:
+                raise IncompatibleCheckpoint(
+                    f"{name!r}.load_state_dict rejected the checkpoint's state: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        for name, tree in self.trees.items():
+            value = self.state[name]
+            kind = kind_of(value)
+            if kind == "stateful":
+                continue
+            matched = self.targets[name]
+            for key, leaf in matched.items():
+                self.reader.fill(key, leaf.tensor)
+            if kind == "module":
+                self._finish_module(name, value, matched)
+            elif kind == "tree":
+                # Matched tensors were filled in place; skipped ones stay as they are.
+                loaded = decode(tree, lambda k: KEEP)
+                self.state[name] = merge_into(value, loaded)
 
     def _finish_module(self, name: str, module: Any, matched: dict[str, Leaf]) -> None:
         """Tensors were filled in place; call load_state_dict only if they do not alias the module."""
@@ -211,6 +246,6 @@ class _LoadJob:
             for leaf in matched.values()
         ):
             return
-        prefix = name + "/"
-        sd = {k[len(prefix):]: leaf.tensor for k, leaf in matched.items()}
+        prefix = escape_key(name) + SEP
+        sd = {unescape_key(k[len(prefix):]): leaf.tensor for k, leaf in matched.items()}
         inner.load_state_dict(sd, strict=self.strict)

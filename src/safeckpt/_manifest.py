@@ -13,7 +13,11 @@ each tensor its dtype, global shape, scope and chunks (file, byte range, global 
 xxh3-64 checksum); for each file its size and xxh3-128 checksum. Files are plain safetensors
 and open with any safetensors reader.
 
-Names inside a manifest are validated before use: no absolute paths, no ``..``, no separators.
+The manifest carries its own checksum (``manifest_xxh3_128``, xxh3-128 of its canonical JSON
+without that field), so an edit of any value is detected. Every field is validated before use
+(:mod:`safeckpt._validate`): names (no absolute paths, no ``..``, no separators), dtypes,
+shapes, chunk boxes that tile each tensor exactly, byte ranges inside their files, trees.
+Files are opened without following symlinks and only if they are regular files.
 On object stores (fsspec URLs) data files also carry a per-save token,
 ``rank-00000.<token>.safetensors`` (see ``safeckpt._remote``); readers use the names the
 manifest lists, whatever they are.
@@ -21,20 +25,27 @@ manifest lists, whatever they are.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from ._storage import is_remote
-from .errors import CheckpointNotFound, CorruptCheckpoint
+from ._validate import check_manifest
+from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 
 FORMAT = "safeckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest checksum (CHECKSUM_FIELD), escaped tensor keys
 MANIFEST = "manifest.json"
+CHECKSUM_FIELD = "manifest_xxh3_128"
+MAX_MANIFEST_ENV = "SAFECKPT_MAX_MANIFEST_BYTES"
+DEFAULT_MAX_MANIFEST = 64 << 20
 STAGING_MARK = ".safeckpt-staging-"
 TRASH_MARK = ".safeckpt-trash-"
 
@@ -75,8 +86,13 @@ def dtype_code(dtype: torch.dtype) -> str:
 def torch_dtype(code: str) -> torch.dtype:
     try:
         return ST_TO_DTYPE[code]
-    except KeyError:
-        raise CorruptCheckpoint(f"unknown dtype {code!r} in manifest") from None
+    except (KeyError, TypeError):
+        raise CorruptCheckpoint(f"unknown dtype {code!r:.40} in manifest") from None
+
+
+def dtype_size(code: str) -> int:
+    """Bytes per element of a safetensors dtype code (CorruptCheckpoint if unknown)."""
+    return torch.empty((), dtype=torch_dtype(code)).element_size()
 
 
 def rank_file(rank: int) -> str:
@@ -95,41 +111,109 @@ def safe_file_path(ckpt_dir: str, name: Any) -> str:
     """Resolve a file named by a manifest, refusing anything that could leave ``ckpt_dir``."""
     if not isinstance(name, str) or not _SAFE_FILE.match(name) or ".." in name:
         raise CorruptCheckpoint(
-            f"manifest names an unsafe file {name!r} (absolute path, '..' or separator); "
+            f"manifest names an unsafe file {name!r:.200} (absolute path, '..' or separator); "
             "refusing to read it", path=ckpt_dir,
         )
     if is_remote(ckpt_dir):
         return f"{ckpt_dir}/{name}"  # an object key: no links to follow
-    path = os.path.join(ckpt_dir, name)
-    if os.path.islink(path):
-        raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=ckpt_dir)
-    return path
+    return os.path.join(ckpt_dir, name)
+
+
+def open_regular(path: str, ckpt_dir: str) -> int:
+    """Open a file inside a checkpoint for reading: never through a symlink, never blocking on
+    a FIFO or device, only a regular file. Returns the fd; raises CorruptCheckpoint otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path} is missing", path=ckpt_dir) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=ckpt_dir) from None
+        raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=ckpt_dir) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (FIFO, device or socket)"
+        raise CorruptCheckpoint(f"{path} is {kind}; refusing to read it", path=ckpt_dir)
+    return fd
+
+
+def max_manifest_bytes() -> int:
+    """Largest manifest.json read (bounded memory for a damaged or hostile one)."""
+    return int(os.environ.get(MAX_MANIFEST_ENV, DEFAULT_MAX_MANIFEST))
 
 
 def read_manifest(ckpt_dir: str) -> dict[str, Any]:
-    """Read and structurally validate ``manifest.json``; raise CorruptCheckpoint if unusable."""
+    """Read and fully validate ``manifest.json``; raise CorruptCheckpoint if unusable."""
     path = os.path.join(ckpt_dir, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         # Deleted (e.g. by retention) after the caller saw it: a safeckpt error, not a raw OSError.
-        raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir) from None
+        raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir)
+    try:
+        fd = open_regular(path, ckpt_dir)
+    except CorruptCheckpoint:
+        if not os.path.lexists(path):
+            raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir) from None
+        raise
+    try:
+        size = os.fstat(fd).st_size
+        check_manifest_size(size, path, ckpt_dir)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(size + 1)
+    finally:
+        os.close(fd)
     return parse_manifest(raw, ckpt_dir)
 
 
+def check_manifest_size(size: int, where: str, ckpt_dir: str) -> None:
+    limit = max_manifest_bytes()
+    if size > limit:
+        raise CorruptCheckpoint(
+            f"{where} has {size} bytes, more than the {limit} a manifest may have "
+            f"(set ${MAX_MANIFEST_ENV} to raise the limit if this checkpoint is genuine)",
+            path=ckpt_dir,
+        )
+
+
+def manifest_digest(man: dict[str, Any]) -> str:
+    """xxh3-128 of the canonical JSON of a manifest without its own checksum field."""
+    body = {k: v for k, v in man.items() if k != CHECKSUM_FIELD}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return xxhash.xxh3_128_hexdigest(canon.encode())
+
+
+def encode_manifest(man: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json``: the manifest plus a checksum over its parsed content, so
+    an edit of any value is detected (whitespace and key order do not matter)."""
+    body = json.loads(json.dumps(man, allow_nan=True))  # exactly what a reader will parse
+    body[CHECKSUM_FIELD] = manifest_digest(body)
+    raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+    if len(raw) > max_manifest_bytes():
+        raise CheckpointError(
+            f"the manifest of this checkpoint would have {len(raw)} bytes, more than readers "
+            f"accept ({max_manifest_bytes()}); set ${MAX_MANIFEST_ENV} higher on every "
+            "machine that saves or reads it, or store fewer, larger tensors."
+        )
+    return raw
+
+
 def parse_manifest(raw: bytes, ckpt_dir: str) -> dict[str, Any]:
-    """Parse and structurally validate the bytes of ``manifest.json``."""
+    """Parse, checksum-verify and fully validate the bytes of ``manifest.json``."""
     path = f"{ckpt_dir}/{MANIFEST}" if is_remote(ckpt_dir) else os.path.join(ckpt_dir, MANIFEST)
+    check_manifest_size(len(raw), path, ckpt_dir)
     try:
         man = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpoint(f"{path} is not valid JSON ({exc})", path=ckpt_dir) from exc
+    except RecursionError:
+        raise CorruptCheckpoint(f"{path} is nested too deeply", path=ckpt_dir) from None
     validate_manifest(man, ckpt_dir)
     return man
 
 
 def validate_manifest(man: Any, ckpt_dir: str) -> None:
+    """Header (format, version, checksum) then every field (:mod:`safeckpt._validate`)."""
     where = f"{ckpt_dir}/{MANIFEST}" if is_remote(ckpt_dir) else os.path.join(ckpt_dir, MANIFEST)
 
     def bad(msg: str) -> CorruptCheckpoint:
@@ -138,30 +222,26 @@ def validate_manifest(man: Any, ckpt_dir: str) -> None:
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise bad("not a safeckpt manifest")
     version = man.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise bad(f"invalid format version {version!r:.40}")
+    if version > FORMAT_VERSION:
         raise bad(
             f"format version {version!r} is newer than this safeckpt understands "
             f"({FORMAT_VERSION}); upgrade safeckpt"
         )
-    for key in ("files", "tensors", "objects"):
-        if not isinstance(man.get(key), dict):
-            raise bad(f"missing or malformed {key!r}")
-    for name, rec in man["files"].items():
-        safe_file_path(ckpt_dir, name)
-        if not isinstance(rec, dict) or not isinstance(rec.get("size"), int):
-            raise bad(f"malformed record for file {name!r}")
-    for key, rec in man["tensors"].items():
-        if not isinstance(rec, dict) or not isinstance(rec.get("chunks"), list):
-            raise bad(f"malformed record for tensor {key!r}")
-        torch_dtype(rec.get("dtype", "?"))
-        for ch in rec["chunks"]:
-            if ch.get("file") not in man["files"]:
-                raise bad(f"tensor {key!r} points at unknown file {ch.get('file')!r}")
-            start, end = ch.get("start"), ch.get("end")
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end):
-                raise bad(f"tensor {key!r} has an invalid byte range")
-            if end > man["files"][ch["file"]]["size"]:
-                raise bad(f"tensor {key!r} extends past the end of {ch['file']!r}")
+    if version < FORMAT_VERSION:
+        raise bad(
+            f"format version {version} (written by safeckpt 0.1) has no manifest checksum, so "
+            "edits cannot be detected; this safeckpt reads version 2 only. Load it with "
+            "safeckpt 0.1 and save it again."
+        )
+    digest = man.get(CHECKSUM_FIELD)
+    if not isinstance(digest, str) or digest != manifest_digest(man):
+        raise bad(
+            "the manifest's checksum does not match its content: it was edited or damaged "
+            "after the checkpoint was written"
+        )
+    check_manifest(man, where, ckpt_dir, file_ok=lambda n: safe_file_path(ckpt_dir, n), dtype_size=dtype_size)
 
 
 @dataclass(frozen=True)

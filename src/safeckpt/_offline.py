@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,10 +10,10 @@ from typing import Any
 import torch
 
 from ._manifest import safe_file_path
-from ._reader import TensorReader, open_manifest
-from ._shardfile import hash_file
+from ._reader import TensorReader, open_data_file, open_manifest
+from ._shardfile import hash_file, header_problems
 from ._storage import is_remote, resolve
-from ._tree import decode
+from ._tree import decode, escape_key
 from .errors import CheckpointError
 
 
@@ -36,68 +35,71 @@ class VerifyReport:
 def verify(
     path: str | os.PathLike[str], deep: bool = True, *, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
-    """Check a checkpoint: manifest, files present with the right sizes, chunks covering every
-    tensor, and with ``deep`` every file's checksum (reads all bytes once; ``progress(n)`` is
-    told about every n bytes hashed)."""
+    """Check a checkpoint with the same validation a load runs: the manifest (its checksum and
+    every field, chunks tiling every tensor), every file present, regular and of the right size
+    with a safetensors header that matches the manifest, and with ``deep`` every file's
+    checksum (reads all bytes once; ``progress(n)`` is told about every n bytes hashed)."""
     ckpt = resolve(path)
     remote = is_remote(ckpt)
-    if remote:
-        from ._remote import hash_file as remote_hash_file
-        from ._remote import locate, size_of
     problems: list[str] = []
     try:
         man = open_manifest(ckpt)
     except (CheckpointError, OSError) as exc:
         return VerifyReport(ckpt, False, [str(exc)], deep=deep)
     nbytes = 0
+    by_file: dict[str, list[dict[str, Any]]] = {}
+    for key, rec in man["tensors"].items():
+        for c in rec["chunks"]:
+            by_file.setdefault(c["file"], []).append({**c, "dtype": rec["dtype"], "key": key})
     for name, rec in sorted(man["files"].items()):
         try:
-            fpath = safe_file_path(ckpt, name)
+            f = open_data_file(ckpt, name, rec["size"])
         except CheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(f"{name}: {exc}")
             continue
-        if remote:
-            size = size_of(locate(fpath))
-            if size is None:
-                problems.append(f"missing file {name}")
-                continue
-        elif not os.path.isfile(fpath):
-            problems.append(f"missing file {name}")
-            continue
-        else:
-            size = os.path.getsize(fpath)
-        nbytes += size
-        if size != rec["size"]:
-            problems.append(f"{name}: {size} bytes on disk, manifest says {rec['size']} (truncated?)")
-            continue
+        try:
+            nbytes += rec["size"]
+            problems += [f"{name}: {p}" for p in header_problems(f.read, rec["size"], by_file.get(name, []))]
+        finally:
+            f.close()
         if deep:
-            _, digest = (remote_hash_file if remote else hash_file)(fpath, progress=progress)
+            try:
+                fpath = safe_file_path(ckpt, name)
+                if remote:
+                    from ._remote import hash_file as remote_hash_file
+
+                    _, digest = remote_hash_file(fpath, progress=progress)
+                else:
+                    _, digest = hash_file(fpath, progress=progress)
+            except (CheckpointError, OSError) as exc:
+                problems.append(f"{name}: {exc}")
+                continue
             if digest != rec.get("xxh3_128"):
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
-    for key, rec in man["tensors"].items():
-        need = math.prod(rec["shape"])
-        chunks = rec["chunks"]
-        if rec.get("scope") == "per_rank":
-            ranks = sorted(c.get("rank", -1) for c in chunks)
-            if ranks != list(range(int(man.get("world_size", 1)))):
-                problems.append(f"tensor {key!r}: per-rank copies for ranks {ranks}")
-            continue
-        have = sum(math.prod(c["sizes"]) for c in chunks)
-        if have != need:
-            problems.append(f"tensor {key!r}: chunks hold {have} of {need} elements")
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
 
 
-def read_state_dict(path: str | os.PathLike[str], *, verify_checksums: bool = True) -> dict[str, Any]:
-    """The whole checkpoint as a flat ``{key: Tensor | value}`` dict with full (unsharded) CPU
-    tensors. Keys are ``entry/sub/key`` (``model/layer.weight``); per-rank state is rank 0's."""
+def read_state_dict(
+    path: str | os.PathLike[str], *, verify_checksums: bool = True, nested: bool = False
+) -> dict[str, Any]:
+    """The whole checkpoint with full (unsharded) CPU tensors; per-rank state is rank 0's.
+
+    Flat by default: ``{key: Tensor | value}`` with keys ``entry/sub/key``
+    (``model/layer.weight``), each path component escaped with :func:`escape_key` (so a ``/``
+    inside a dict key, e.g. a file path, stays distinguishable). ``nested=True`` gives the
+    saved trees instead: ``{entry: state}`` exactly as each entry's ``state_dict()`` was.
+    """
     ckpt = resolve(path)
     man = open_manifest(ckpt)
     reader = TensorReader(ckpt, man, rank=0, verify=verify_checksums)
     out: dict[str, Any] = {}
     try:
         for name, obj in man["objects"].items():
-            _flatten(decode(obj["tree"], reader.new), name, out)
+            value = decode(obj["tree"], reader.new)
+            if nested:
+                out[name] = value
+            else:
+                _flatten(value, escape_key(name), out)
     finally:
         reader.close()
     return out
@@ -106,6 +108,6 @@ def read_state_dict(path: str | os.PathLike[str], *, verify_checksums: bool = Tr
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, dict) and value and not isinstance(value, torch.Tensor):
         for k, v in value.items():
-            _flatten(v, f"{prefix}/{k}", out)
+            _flatten(v, f"{prefix}/{escape_key(str(k))}", out)
     else:
         out[prefix] = value

@@ -53,6 +53,14 @@ def _state_items(state_tree: dict[str, Any]) -> list[tuple[Any, Any]]:
     return list(state_tree.items())
 
 
+def orphan_state_keys(tree: dict[str, Any]) -> list[Any]:
+    """Saved state entries whose key is in no saved param group: state that
+    ``Optimizer.load_state_dict`` would silently attach to nothing (e.g. DCP's digit-string
+    keys next to integer param ids)."""
+    params = {(type(k), k) for g in tree["param_groups"] for k in g["params"]}
+    return [k for k, _ in _state_items(tree["state"]) if (type(k), k) not in params]
+
+
 def needs_mapping(opt: Any, tree: Any) -> bool:
     """Whether to load ``tree`` into optimizer ``opt`` through this module (otherwise the
     optimizer's plain ``load_state_dict`` with full tensors is exact and cheapest)."""

@@ -14,7 +14,6 @@ import os
 from typing import Any
 
 import torch
-import xxhash
 
 from ._manifest import safe_file_path, torch_dtype
 from ._shardfile import MappedFile
@@ -68,17 +67,12 @@ class TensorReader:
         self.rank = rank
         self.verify = verify
         self._files: dict[str, Any] = {}  # MappedFile, or _remote.RemoteFile for a URL
+        self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
 
     def _file(self, name: str) -> Any:
         if name not in self._files:
-            path = safe_file_path(self.dir, name)
-            if is_remote(path):
-                from ._remote import RemoteFile
-
-                self._files[name] = RemoteFile(path, int(self.man["files"][name]["size"]))
-            else:
-                self._files[name] = MappedFile(path, int(self.man["files"][name]["size"]))
+            self._files[name] = open_data_file(self.dir, name, int(self.man["files"][name]["size"]))
         return self._files[name]
 
     def record(self, key: str) -> dict[str, Any]:
@@ -94,23 +88,57 @@ class TensorReader:
         """
         self.fill_box(key, dst.to_local() if is_dtensor(dst) else dst, local_box(dst))
 
-    def fill_box(self, key: str, local: torch.Tensor, box: Box) -> None:
-        """Copy the region ``box`` ([global offsets, sizes]) of the stored tensor ``key`` into
-        the plain tensor ``local`` (of shape ``box[1]``), touching only overlapping bytes."""
+    def _chunks(self, key: str) -> list[dict[str, Any]]:
+        """The chunks of ``key`` this rank may read (its own copy of per-rank state)."""
         rec = self.record(key)
-        dtype = torch_dtype(rec["dtype"])
         chunks = rec["chunks"]
         if rec.get("scope") == "per_rank":
             chunks = [c for c in chunks if c.get("rank") == self.rank]
             if not chunks:
                 raise CorruptCheckpoint(f"no per-rank copy of {key!r} for rank {self.rank}", path=self.dir)
+        return chunks
+
+    def check_box(self, key: str, box: Box) -> None:
+        """Verify (once) the checksum of every chunk of ``key`` that overlaps ``box``, reading
+        each such chunk whole. Loads call this for everything they will read before copying
+        anything, so a damaged checkpoint fails before the caller's state is touched."""
+        for c in self._chunks(key):
+            if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
+                self._verify_chunk(key, c)
+
+    def _verify_chunk(self, key: str, c: dict[str, Any], window: int = 64 << 20) -> None:
+        start, end = c["start"], c["end"]
+        ident = (c["file"], start, end)
+        if not self.verify or end <= start or ident in self._verified:
+            return
+        f = self._file(c["file"])
+        if hasattr(f, "hash_range"):  # a remote file: ranged reads
+            digest = f.hash_range(start, end, window)
+        else:
+            digest = f.hash_range_local(start, end, window)
+        if digest != c.get("xxh3_64"):
+            raise CorruptCheckpoint(
+                f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): the "
+                "data is corrupt. Load an older checkpoint (CheckpointManager.restore falls back "
+                "automatically).", path=self.dir,
+            )
+        self._verified.add(ident)
+
+    def fill_box(self, key: str, local: torch.Tensor, box: Box) -> None:
+        """Copy the region ``box`` ([global offsets, sizes]) of the stored tensor ``key`` into
+        the plain tensor ``local`` (of shape ``box[1]``), touching only overlapping bytes.
+        Every chunk read from is verified first (whole), so nothing unverified is copied."""
+        rec = self.record(key)
+        dtype = torch_dtype(rec["dtype"])
+        chunks = self._chunks(key)
+        self.check_box(key, box)
         covered = 0
         with torch.no_grad():
             for c in chunks:
                 cbox = [c["offsets"], c["sizes"]]
                 if len(cbox[0]) != len(box[0]):
                     raise CorruptCheckpoint(f"chunk of {key!r} has the wrong rank", path=self.dir)
-                inter = _intersect(box, cbox)
+                inter = _intersect(box, cbox) if box[0] else ([], [])
                 if inter is None:
                     continue
                 lo, hi = inter
@@ -118,12 +146,7 @@ class TensorReader:
                 f = self._file(c["file"])
                 src_at = cbox[0]
                 if whole or not hasattr(f, "rows"):
-                    src = f.tensor(
-                        c["start"], c["end"], dtype, c["sizes"],
-                        c.get("xxh3_64") if (self.verify and whole) else None,
-                    )
-                    if src.numel() * src.element_size() != c["end"] - c["start"]:
-                        raise CorruptCheckpoint(f"chunk of {key!r} has a size that does not match its shape", path=self.dir)
+                    src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
                 else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
                     r0 = lo[0] - cbox[0][0]
                     src = f.rows(c["start"], c["end"], dtype, c["sizes"], r0, hi[0] - cbox[0][0])
@@ -143,40 +166,11 @@ class TensorReader:
             )
 
     def verify_chunks(self, key: str, window: int = 64 << 20) -> None:
-        """Check every chunk of ``key`` against its checksum, ``window`` bytes at a time, dropping
-        the mapped pages after each window (so memory stays bounded for any chunk size).
-
-        :meth:`fill_box` verifies only chunks it reads whole; streaming readers that cut chunks
-        into pieces call this first."""
-        rec = self.record(key)
-        for c in rec["chunks"]:
-            expect, start, end = c.get("xxh3_64"), c["start"], c["end"]
-            if expect is None or end <= start:
-                continue
-            f = self._file(c["file"])
-            if hasattr(f, "hash_range"):  # a remote file: ranged reads
-                if f.hash_range(start, end, window) != expect:
-                    raise CorruptCheckpoint(
-                        f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): "
-                        "the file is corrupt.", path=self.dir,
-                    )
-                continue
-            mm = getattr(f, "_mm", None)
-            if mm is None:
-                continue
-            h = xxhash.xxh3_64()
-            view = memoryview(mm)
-            try:
-                for off in range(start, end, window):
-                    h.update(view[off : min(off + window, end)])
-                    self.release()
-            finally:
-                view.release()
-            if h.hexdigest() != expect:
-                raise CorruptCheckpoint(
-                    f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): the "
-                    "file is corrupt.", path=self.dir,
-                )
+        """Check every chunk of ``key`` against its checksum, ``window`` bytes at a time
+        (memory stays bounded for any chunk size). Streaming readers that cut chunks into
+        pieces call this first."""
+        for c in self.record(key)["chunks"]:
+            self._verify_chunk(key, c, window)
 
     def release(self) -> None:
         """Drop the pages of the mapped files from this process's memory (they stay in the page
@@ -200,6 +194,16 @@ class TensorReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+def open_data_file(ckpt_dir: str, name: str, size: int) -> Any:
+    """A data file of a checkpoint, checked for its size: a MappedFile, or a RemoteFile for a URL."""
+    path = safe_file_path(ckpt_dir, name)
+    if is_remote(path):
+        from ._remote import RemoteFile
+
+        return RemoteFile(path, size)
+    return MappedFile(path, size)
 
 
 def open_manifest(ckpt_dir: str) -> dict[str, Any]:

@@ -49,7 +49,7 @@ import xxhash
 
 from ._catalog import Entry, parse_step
 from ._lock import DEFAULT_LEASE, LOCK_NAME, holder_is_live, locked_error
-from ._manifest import FORMAT, MANIFEST, CheckpointInfo, parse_manifest
+from ._manifest import FORMAT, MANIFEST, CheckpointInfo, encode_manifest, parse_manifest
 from ._save import _SaveJob
 from ._shardfile import WrittenFile, check_chunk, is_empty, stream_safetensors
 from .errors import (
@@ -287,7 +287,7 @@ class RemoteSaveJob(_SaveJob):
             files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
         manifest = self._build_manifest(files, written)
         old = _referenced(ckpt) if self.overwrite else set()
-        data = json.dumps(manifest, separators=(",", ":")).encode()
+        data = encode_manifest(manifest)
         try:
             _put(ckpt.child(MANIFEST), data, exclusive=not self.overwrite)  # the commit point
         except FileExistsError:

@@ -29,15 +29,23 @@ import torch
 import xxhash
 
 from . import __version__
-from ._commit import is_committed, new_staging_dir, publish, remove_tree, write_json_atomic
+from ._commit import is_committed, new_staging_dir, publish, remove_tree, write_bytes_atomic
 from ._dist import Coordinator
-from ._manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, dtype_code, rank_file
+from ._manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointInfo,
+    dtype_code,
+    encode_manifest,
+    rank_file,
+)
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._shardfile import tensor_bytes, write_file
 from ._storage import is_remote, resolve
-from ._tree import EncodedObject, Leaf, check_name, encode_object, is_wrapped_ddp, param_names
+from ._tree import EncodedObject, Leaf, check_name, encode_object, param_names
 from .errors import CheckpointError, CheckpointExists, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
@@ -191,16 +199,15 @@ class _SaveJob:
         return [objs, tensors]
 
     def _replica_mode(self) -> str:
+        """``auto``: refuse differing replicas whenever there is more than one rank. A
+        replicated tensor is written once, from one rank; if ranks held different values, all
+        but one would be lost silently."""
         if self.check_replicas != "auto":
             return self.check_replicas
-        return "error" if any(is_wrapped_ddp(v) for v in self.state.values()) else "off"
+        return "error" if self.coord.world_size > 1 else "off"
 
     def _replica_digests(self) -> dict[str, str]:
-        return {
-            k: xxhash.xxh3_64_hexdigest(tensor_bytes(leaf.tensor))
-            for k, leaf in self.leaves.items()
-            if leaf.scope == "replicated"
-        }
+        return {k: replica_digest(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "replicated"}
 
     def _check_agreement(self, agreed: list[dict[str, Any]]) -> None:
         ref = agreed[0]
@@ -231,8 +238,10 @@ class _SaveJob:
                 msg = (
                     f"save to {self.target}: replicated tensors differ from rank 0's on "
                     + "; ".join(bad[:10])
-                    + ". DDP replicas have diverged (e.g. different init seeds or a rank-local "
-                    "update). Pass check_replicas='off' if they are meant to differ."
+                    + ". A tensor that is not sharded is saved once for all ranks, so the "
+                    "other ranks' values would be lost. If it is meant to differ per rank, wrap "
+                    "its entry in safeckpt.PerRank(...) (kept per rank); if not, the ranks have "
+                    "diverged (different init seeds, a rank-local update). Nothing was written."
                 )
                 if mode == "error":
                     raise RankMismatch(msg)
@@ -349,7 +358,7 @@ class _SaveJob:
                 )
             files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
         manifest = self._build_manifest(files, written)
-        write_json_atomic(os.path.join(staging, MANIFEST), manifest)
+        write_bytes_atomic(os.path.join(staging, MANIFEST), encode_manifest(manifest))
         try:
             publish(staging, self.target, replace=self.overwrite)
         except FileExistsError:
@@ -408,6 +417,31 @@ class _SaveJob:
             "tensors": tensors,
         }
         return manifest
+
+
+def replica_digest(t: torch.Tensor) -> str:
+    """A digest of a tensor's bytes for the replica check: xxh3-64 on the CPU; for an
+    accelerator tensor a position-weighted sum computed on the device (no device-to-host copy of
+    the tensor, only of the 8-byte result)."""
+    if t.device.type == "cpu":
+        return xxhash.xxh3_64_hexdigest(tensor_bytes(t))
+    return f"dev-{device_fingerprint(t)}"
+
+
+def device_fingerprint(t: torch.Tensor, block: int = 1 << 24) -> int:
+    """Sum over int32 words w_i of w_i * (2*i + 1) (mod 2**63): any single changed word changes
+    it (odd weights), computed in blocks to bound temporary memory. Works on any device."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = (-data.numel()) % 4
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for lo in range(0, words.numel(), block):
+        w = words[lo : lo + block].to(torch.int64)
+        weights = torch.arange(lo, lo + w.numel(), device=t.device, dtype=torch.int64) * 2 + 1
+        total += (w * weights).sum()
+    return int(total.item()) ^ (t.numel() << 1)
 
 
 def _layout_differences(layouts: list[Any]) -> list[str]:

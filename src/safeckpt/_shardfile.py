@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from ._manifest import dtype_code
+from ._manifest import dtype_code, open_regular
 from .errors import CorruptCheckpoint
 
 PIECE = 64 << 20  # bytes hashed and written per system call
@@ -186,7 +186,7 @@ def hash_file(path: str, block: int = 8 << 20, progress: Callable[[int], None] |
     """(size, xxh3-128) of a file, streamed; ``progress(n)`` after each block of n bytes."""
     h = xxhash.xxh3_128()
     size = 0
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path, os.path.dirname(path)), "rb", buffering=0) as f:
         buf = bytearray(block)
         view = memoryview(buf)
         while n := f.readinto(buf):
@@ -195,6 +195,54 @@ def hash_file(path: str, block: int = 8 << 20, progress: Callable[[int], None] |
             if progress is not None:
                 progress(n)
     return size, h.hexdigest()
+
+
+MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
+
+
+def header_problems(read: Callable[[int, int], bytes], size: int, chunks: Sequence[dict]) -> list[str]:
+    """What is wrong with a data file's safetensors header, given the manifest's ``chunks`` of
+    that file (each with start, end, dtype, sizes): the header must parse, describe tensors
+    that tile the data exactly, and hold every non-empty chunk at its byte range with its dtype
+    and shape (so the file stays readable by any safetensors reader)."""
+    if size < 8:
+        return [f"{size} bytes, too short for a safetensors header"]
+    (hlen,) = struct.unpack("<Q", read(0, 8))
+    if hlen > min(MAX_HEADER, size - 8):
+        return [f"safetensors header length {hlen} does not fit the {size}-byte file"]
+    try:
+        header = json.loads(read(8, 8 + hlen))
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+        entries = {}
+        for name, rec in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = rec["data_offsets"]
+            entries[(8 + hlen + int(lo), 8 + hlen + int(hi))] = (rec["dtype"], list(rec["shape"]))
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        return [f"unreadable safetensors header ({type(exc).__name__}: {exc})"]
+    problems = []
+    covered = sorted(entries)
+    pos = 8 + hlen
+    for lo, hi in covered:
+        if lo != pos and hi > lo:
+            problems.append(f"safetensors header: tensors do not tile the data at byte {pos}")
+            break
+        pos = max(pos, hi)
+    if pos != size and not problems:
+        problems.append(f"safetensors header covers the data up to byte {pos}, the file has {size}")
+    for c in chunks:
+        if c["end"] <= c["start"]:
+            continue
+        got = entries.get((c["start"], c["end"]))
+        if got != (c["dtype"], list(c["sizes"])):
+            problems.append(
+                f"safetensors header does not hold tensor {c['key']!r} at bytes "
+                f"{c['start']}-{c['end']} as {c['dtype']}{list(c['sizes'])} (it has {got})"
+            )
+            break
+    return problems
 
 
 def is_empty(shape: Sequence[int], start: int, end: int) -> bool:
@@ -217,16 +265,14 @@ class MappedFile:
 
     def __init__(self, path: str, expected_size: int) -> None:
         self.path = path
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"data file {path} is missing", path=os.path.dirname(path)) from None
+        ckpt = os.path.dirname(path)
+        fd = open_regular(path, ckpt)
         try:
             size = os.fstat(fd).st_size
             if size != expected_size:
                 raise CorruptCheckpoint(
                     f"data file {path} has {size} bytes, the manifest says {expected_size} "
-                    "(truncated or replaced)", path=os.path.dirname(path),
+                    "(truncated or replaced)", path=ckpt,
                 )
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
         finally:
@@ -240,6 +286,29 @@ class MappedFile:
         view = memoryview(self._mm)[start:end]
         check_chunk(view, expect_hash, f"{self.path} bytes {start}-{end}", os.path.dirname(self.path))
         return torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+    def read(self, start: int, end: int) -> bytes:
+        """A copy of bytes [start, end) (for small reads such as the header)."""
+        return bytes(self._mm[start:end]) if self._mm is not None and end > start else b""
+
+    def hash_range_local(self, start: int, end: int, window: int) -> str:
+        """xxh3-64 of bytes [start, end), ``window`` bytes at a time; for ranges larger than a
+        window the pages are dropped from this process after hashing (memory stays bounded)."""
+        assert self._mm is not None
+        h = xxhash.xxh3_64()
+        view = memoryview(self._mm)
+        try:
+            for off in range(start, end, window):
+                h.update(view[off : min(off + window, end)])
+                if end - start > window and hasattr(mmap, "MADV_DONTNEED"):
+                    lo = off - off % mmap.PAGESIZE
+                    try:
+                        self._mm.madvise(mmap.MADV_DONTNEED, lo, min(off + window, end) - lo)
+                    except (OSError, ValueError):  # pragma: no cover - best effort
+                        pass
+        finally:
+            view.release()
+        return h.hexdigest()
 
     def close(self) -> None:
         if self._mm is not None:

@@ -13,7 +13,9 @@ Each top-level entry becomes an *object* of one kind:
 A tree is JSON with three tags, so that no information is lost and nothing needs pickle:
 ``{"@tensor": key}``, ``{"@tuple": [...]}`` and ``{"@dict": [[key, value], ...]}`` (for dicts
 whose keys are not all strings, e.g. optimizer state keyed by int). Tensor keys are the path
-components joined with ``/`` (``model/layer.weight``, ``optim/state/0/exp_avg``).
+components joined with ``/`` (``model/layer.weight``, ``optim/state/0/exp_avg``), each component
+escaped by :func:`escape_key` (``%`` ``/`` ``@`` become ``%25`` ``%2F`` ``%40``), so any string
+key round-trips and no two paths share a key.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ from .errors import CheckpointError
 
 SEP = "/"
 PER_RANK_ATTR = "__safeckpt_per_rank__"
+_ESCAPES = (("%", "%25"), ("/", "%2F"), ("@", "%40"))
+
+
+def escape_key(component: str) -> str:
+    """One path component of a tensor key, with the characters that have a meaning in keys
+    (``/`` separates components, ``@`` marks pieces in data files) escaped."""
+    for raw, esc in _ESCAPES:
+        component = component.replace(raw, esc)
+    return component
+
+
+def unescape_key(component: str) -> str:
+    for raw, esc in reversed(_ESCAPES):
+        component = component.replace(esc, raw)
+    return component
+
+
+def join_key(path: list[str]) -> str:
+    return SEP.join(escape_key(p) for p in path)
 
 try:  # DTensor is optional in old torch builds
     from torch.distributed.tensor import DTensor
@@ -180,7 +201,8 @@ def encode_object(name: str, value: Any, leaves: list[Leaf],
 
 def _encode(value: Any, path: list[str], leaves: list[Leaf], per_rank: bool) -> Any:
     if isinstance(value, torch.Tensor):
-        key = SEP.join(path)
+        key = join_key(path)
+        per_rank = per_rank or bool(getattr(value, PER_RANK_ATTR, False))
         scope = "sharded" if is_dtensor(value) else ("per_rank" if per_rank else "replicated")
         leaves.append(Leaf(key, value.detach(), scope))
         return {"@tensor": key}
@@ -210,7 +232,7 @@ def _encode(value: Any, path: list[str], leaves: list[Leaf], per_rank: bool) -> 
 
 def _unsupported(value: Any, path: list[str], what: str) -> CheckpointError:
     return CheckpointError(
-        f"cannot checkpoint {what} of type {type(value).__name__} at {SEP.join(path)!r} without "
+        f"cannot checkpoint {what} of type {type(value).__name__} at {join_key(path)!r} without "
         "pickle. Store tensors, JSON values (numbers, strings, bools, None, lists, dicts), or "
         "an object with state_dict()/load_state_dict() that returns those."
     )

@@ -121,7 +121,10 @@ class CheckpointManager:
         for cand_step, path in picked["candidates"]:
             try:
                 load(path, state, strict=strict, timeout=self.timeout)
-            except CorruptCheckpoint as exc:
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                # A reason of the checkpoint (damaged, or deleted under us): the state is
+                # unchanged (loads check everything before touching it), so try an older one.
+                # IncompatibleCheckpoint is the caller's state not fitting: no fallback.
                 reasons.append(f"step {cand_step}: {exc}")
                 warnings.warn(
                     f"checkpoint step {cand_step} at {path} is corrupt, falling back to an older "

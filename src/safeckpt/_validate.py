@@ -1,0 +1,240 @@
+"""Validate everything a checkpoint says about itself before any of it is used.
+
+One function, :func:`check_manifest`, checks a parsed ``manifest.json`` completely: types and
+ranges of every field, file names, dtypes, shapes, chunk boxes (inside the tensor, tiling it
+exactly: no gap, no overlap), byte ranges (inside their file, sized like their box), per-rank
+copies (one per saving rank), object trees (well-formed tags, bounded nesting, every tensor
+reference described and every described tensor referenced). Loading, ``verify``, the manager and
+the CLI all read manifests through it, so a checkpoint that verifies also loads, and a damaged
+one fails with :class:`CorruptCheckpoint` naming the field, before any tensor in memory is
+touched. Callers may then index the manifest without defensive checks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import CorruptCheckpoint
+
+MAX_DIMS = 64
+MAX_DEPTH = 200  # nesting of object trees (JSON itself may nest deeper; we refuse that)
+MAX_WORLD = 1 << 20
+SCOPES = ("replicated", "per_rank", "sharded")
+KINDS = ("module", "stateful", "tensor", "tree")
+TAGS = ("@tensor", "@tuple", "@dict", "@float")
+_HEX = re.compile(r"^[0-9a-f]+$")
+_FLOAT_WORDS = ("inf", "-inf", "nan")
+
+
+class _Bad(Exception):
+    """A validation failure, before the checkpoint path is attached."""
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Bad(f"{what} must be an integer, got {value!r:.80}")
+    if value < lo or (hi is not None and value > hi):
+        raise _Bad(f"{what} is {value}, outside [{lo}, {hi if hi is not None else '...'}]")
+    return value
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Bad(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _Bad(f"{what} must be a JSON array, got {type(value).__name__}")
+    return value
+
+
+def _hex(value: Any, what: str, length: int) -> str:
+    if not isinstance(value, str) or len(value) != length or not _HEX.match(value):
+        raise _Bad(f"{what} must be a {length}-digit hex checksum, got {value!r:.80}")
+    return value
+
+
+def check_manifest(man: dict[str, Any], where: str, ckpt: str, *,
+                   file_ok: Any, dtype_size: Any) -> None:
+    """Raise CorruptCheckpoint(naming ``where`` and the field) unless ``man`` is fully valid.
+
+    ``file_ok(name)`` raises for an unsafe file name; ``dtype_size(code)`` gives the element
+    size of a dtype code or raises for an unknown one (both from :mod:`safeckpt._manifest`).
+    """
+    try:
+        _check(man, file_ok, dtype_size)
+    except _Bad as exc:
+        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: nested too deeply", path=ckpt) from None
+
+
+def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
+    world = _int(man.get("world_size"), "'world_size'", 1, MAX_WORLD)
+    step = man.get("step")
+    if step is not None:
+        _int(step, "'step'")
+    if not isinstance(man.get("created_at", ""), str):
+        raise _Bad("'created_at' must be a string")
+    for key in ("metadata", "metrics"):
+        if man.get(key) is not None:
+            _dict(man[key], f"{key!r}")
+    files = _dict(man.get("files"), "'files'")
+    tensors = _dict(man.get("tensors"), "'tensors'")
+    objects = _dict(man.get("objects"), "'objects'")
+    for name, rec in files.items():
+        file_ok(name)
+        rec = _dict(rec, f"file {name!r}")
+        _int(rec.get("size"), f"size of file {name!r}")
+        _hex(rec.get("xxh3_128"), f"checksum of file {name!r}", 32)
+        if "rank" in rec:
+            _int(rec["rank"], f"rank of file {name!r}", 0, world - 1)
+    for key, rec in tensors.items():
+        _check_tensor(key, _dict(rec, f"tensor {key!r}"), files, world, dtype_size)
+    referenced: set[str] = set()
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("@"):
+            raise _Bad(f"object name {name!r} is not a valid state key")
+        obj = _dict(obj, f"object {name!r}")
+        if obj.get("kind") not in KINDS:
+            raise _Bad(f"object {name!r} has unknown kind {obj.get('kind')!r:.40}")
+        trees = [obj.get("tree")]
+        rank_trees = _dict(obj.get("rank_trees", {}), f"rank_trees of object {name!r}")
+        for r, tree in rank_trees.items():
+            if not r.isdigit() or not 0 < int(r) < world:
+                raise _Bad(f"object {name!r} has a tree for rank {r!r:.20} of a {world}-rank save")
+            trees.append(tree)
+        for tree in trees:
+            for ref in _tree_refs(tree, f"object {name!r}", 0):
+                if ref not in tensors:
+                    raise _Bad(f"object {name!r} refers to tensor {ref!r:.200} that the manifest does not describe")
+                referenced.add(ref)
+        if obj["kind"] == "tensor" and not (isinstance(obj["tree"], dict) and set(obj["tree"]) == {"@tensor"}):
+            raise _Bad(f"object {name!r} is a tensor but its tree is not a tensor reference")
+    orphans = sorted(set(tensors) - referenced)
+    if orphans:
+        raise _Bad(f"tensor {orphans[0]!r:.200} is described but no object refers to it")
+
+
+def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: int, dtype_size: Any) -> None:
+    what = f"tensor {key!r:.200}"
+    size = dtype_size(rec.get("dtype"))
+    shape = _list(rec.get("shape"), f"shape of {what}")
+    if len(shape) > MAX_DIMS:
+        raise _Bad(f"{what} has {len(shape)} dimensions (at most {MAX_DIMS})")
+    for d in shape:
+        _int(d, f"a dimension of {what}")
+    scope = rec.get("scope")
+    if scope not in SCOPES:
+        raise _Bad(f"{what} has unknown scope {scope!r:.40}")
+    chunks = _list(rec.get("chunks"), f"chunks of {what}")
+    boxes = []
+    for i, ch in enumerate(chunks):
+        cwhat = f"chunk {i} of {what}"
+        ch = _dict(ch, cwhat)
+        fname = ch.get("file")
+        if not isinstance(fname, str) or fname not in files:
+            raise _Bad(f"{cwhat} points at unknown file {fname!r:.80}")
+        start = _int(ch.get("start"), f"start of {cwhat}")
+        end = _int(ch.get("end"), f"end of {cwhat}", start, files[fname]["size"])
+        offsets = _list(ch.get("offsets"), f"offsets of {cwhat}")
+        sizes = _list(ch.get("sizes"), f"sizes of {cwhat}")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _Bad(f"{cwhat} has {len(offsets)}/{len(sizes)} offsets/sizes for a {len(shape)}-d tensor")
+        for d, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+            _int(o, f"offset {d} of {cwhat}")
+            _int(n, f"size {d} of {cwhat}")
+            if o + n > shape[d]:
+                raise _Bad(f"{cwhat} reaches {o + n} along dim {d}, past the tensor's {shape[d]}")
+        if end - start != math.prod(sizes) * size:
+            raise _Bad(f"{cwhat} has {end - start} bytes but its box holds {math.prod(sizes) * size}")
+        if "xxh3_64" in ch or end > start:
+            _hex(ch.get("xxh3_64"), f"checksum of {cwhat}", 16)
+        if scope == "per_rank":
+            _int(ch.get("rank"), f"rank of {cwhat}", 0, world - 1)
+            if any(offsets) or sizes != shape:
+                raise _Bad(f"{cwhat} is a per-rank copy but does not span the whole tensor")
+        elif "rank" in ch:
+            raise _Bad(f"{cwhat} has a rank but {what} is not per-rank")
+        boxes.append((offsets, sizes))
+    if scope == "per_rank":
+        ranks = sorted(ch["rank"] for ch in chunks)
+        if ranks != list(range(world)):
+            raise _Bad(f"{what} is per-rank but has copies for ranks {ranks[:16]} of a {world}-rank save")
+    else:
+        _check_tiling(what, shape, boxes)
+
+
+def _check_tiling(what: str, shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> None:
+    """The boxes cover the tensor exactly: volumes add up and no two overlap."""
+    volume = sum(math.prod(s) for _, s in boxes)
+    if volume != math.prod(shape):
+        raise _Bad(f"{what}: its chunks hold {volume} elements, the tensor has {math.prod(shape)}")
+    if not shape:
+        if len([b for b in boxes if math.prod(b[1])]) > 1:
+            raise _Bad(f"{what}: a scalar stored more than once")
+        return
+    solid = sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0][0])
+    active: list[tuple[list[int], list[int]]] = []
+    for off, size in solid:
+        active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+        for a_off, a_size in active:
+            if all(max(o1, o2) < min(o1 + n1, o2 + n2)
+                   for o1, n1, o2, n2 in zip(a_off, a_size, off, size, strict=True)):
+                raise _Bad(f"{what}: two chunks overlap (at offsets {a_off[:8]} and {off[:8]})")
+        active.append((off, size))
+
+
+def _tree_refs(tree: Any, what: str, depth: int) -> Iterator[str]:
+    """Tensor keys a tree refers to; raises _Bad for a malformed node."""
+    if depth > MAX_DEPTH:
+        raise _Bad(f"{what} is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(tree, list):
+        for v in tree:
+            yield from _tree_refs(v, what, depth + 1)
+    elif isinstance(tree, dict):
+        tags = [k for k in tree if k.startswith("@")]
+        if not tags:
+            for v in tree.values():
+                yield from _tree_refs(v, what, depth + 1)
+            return
+        if len(tree) != 1 or tags[0] not in TAGS:
+            raise _Bad(f"{what} has a malformed tagged node with keys {sorted(tree)[:4]!r:.80}")
+        tag, body = tags[0], tree[tags[0]]
+        if tag == "@tensor":
+            if not isinstance(body, str) or not body:
+                raise _Bad(f"{what} has a tensor reference that is not a key: {body!r:.80}")
+            yield body
+        elif tag == "@tuple":
+            yield from _tree_refs(_list(body, f"a tuple in {what}"), what, depth + 1)
+        elif tag == "@dict":
+            seen = set()
+            for pair in _list(body, f"a dict in {what}"):
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _Bad(f"{what} has a dict item that is not a [key, value] pair")
+                k = pair[0]
+                if not (k is None or isinstance(k, (str, int, float, bool))):
+                    raise _Bad(f"{what} has a dict key of type {type(k).__name__}")
+                if (type(k), k) in seen:
+                    raise _Bad(f"{what} has the dict key {k!r:.80} twice")
+                seen.add((type(k), k))
+                yield from _tree_refs(pair[1], what, depth + 1)
+        elif not isinstance(body, str) or (body not in _FLOAT_WORDS and not _is_float(body)):
+            raise _Bad(f"{what} has a malformed float {body!r:.80}")
+    elif not (tree is None or isinstance(tree, (bool, int, float, str))):
+        raise _Bad(f"{what} holds a value of type {type(tree).__name__}")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return len(text) < 64
