@@ -1,0 +1,258 @@
+"""The validation layer (issue 8): everything read from disk is checked before it is used.
+
+- an edited manifest value is caught by the manifest's own checksum;
+- symlinks and special files (FIFO) are refused without following or blocking;
+- a failed load leaves the caller's state as it was, on every rank;
+- any string key round-trips (escaped ``/``, ``@``, ``%``), and ``read_state_dict(nested=True)``
+  gives the saved trees back;
+- a plain tensor that differs between ranks is refused (never collapsed), ``PerRank`` keeps it
+  per rank;
+- a strict load refuses optimizer state attached to no parameter.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import safeckpt
+from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
+from tests import dist_harness
+
+DATA = "rank-00000.safetensors"
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "extra": {"t": torch.arange(6) + seed, "n": seed}}
+
+
+def _snapshot(state: dict) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "optim": json.dumps(state["optim"].state_dict()["param_groups"]),
+        "exp_avg": [s["exp_avg"].clone() for s in state["optim"].state.values()],
+        "t": state["extra"]["t"].clone(),
+        "n": state["extra"]["n"],
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        and a["optim"] == b["optim"]
+        and all(torch.equal(x, y) for x, y in zip(a["exp_avg"], b["exp_avg"], strict=True))
+        and torch.equal(a["t"], b["t"])
+        and a["n"] == b["n"]
+    )
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _signed(path, man: dict) -> None:
+    (path / "manifest.json").write_bytes(encode_manifest({k: v for k, v in man.items() if k != CHECKSUM_FIELD}))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "ck"
+    safeckpt.save(path, _state(0))
+    return path
+
+
+def test_any_unsigned_value_edit_is_detected(ckpt):
+    original = _manifest(ckpt)
+    edits = [
+        lambda m: m.__setitem__("step", 8),
+        lambda m: m["objects"]["extra"]["tree"].__setitem__("n", 1),
+        lambda m: next(iter(m["tensors"].values()))["chunks"][0].__setitem__("xxh3_64", "0" * 16),
+        lambda m: m["metadata"].__setitem__("note", "added"),
+    ]
+    for edit in edits:
+        man = json.loads(json.dumps(original))
+        edit(man)
+        (ckpt / "manifest.json").write_text(json.dumps(man))  # checksum left as it was
+        with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum"):
+            safeckpt.load(ckpt, _state(1))
+        report = safeckpt.verify(ckpt, deep=False)
+        assert not report.ok and "checksum" in report.problems[0]
+    # Whitespace and key order are not edits of a value.
+    (ckpt / "manifest.json").write_text(json.dumps(original, indent=2, sort_keys=True))
+    assert safeckpt.verify(ckpt).ok
+    safeckpt.load(ckpt, _state(1))
+
+
+def test_signed_structural_damage_is_named(ckpt):
+    """Edits with a recomputed checksum still fail, naming the field, before anything is read."""
+    man = _manifest(ckpt)
+    key = "model/0.weight"
+    rec = man["tensors"][key]
+    rec["chunks"].append(dict(rec["chunks"][0]))  # the same box twice: overlap
+    _signed(ckpt, man)
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="overlap|hold"):
+        safeckpt.read_state_dict(ckpt)
+    man = _manifest(ckpt)
+    man["tensors"][key]["chunks"] = man["tensors"][key]["chunks"][:1]
+    man["world_size"] = "abc"
+    _signed(ckpt, man)
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and "world_size" in report.problems[0]
+    # The manager lists it as damaged instead of raising.
+    mgr_root = ckpt.parent / "root"
+    mgr_root.mkdir()
+    os.rename(ckpt, mgr_root / "step-0000000001")
+    with safeckpt.CheckpointManager(mgr_root, preemption_signals=()) as mgr:
+        assert mgr.list() == []
+
+
+def test_symlinked_manifest_and_fifo_data_are_refused_without_blocking(ckpt, tmp_path):
+    target = tmp_path / "copy.json"
+    target.write_bytes((ckpt / "manifest.json").read_bytes())
+    (ckpt / "manifest.json").unlink()
+    os.symlink(target, ckpt / "manifest.json")
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="symlink"):
+        safeckpt.read_state_dict(ckpt)
+    os.unlink(ckpt / "manifest.json")
+    os.rename(target, ckpt / "manifest.json")
+    (ckpt / DATA).unlink()
+    os.mkfifo(ckpt / DATA)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        calls = [
+            pool.submit(safeckpt.read_state_dict, ckpt),
+            pool.submit(safeckpt.load, ckpt, _state(1)),
+            pool.submit(safeckpt.verify, ckpt),
+        ]
+        for call in calls[:2]:
+            with pytest.raises(safeckpt.CorruptCheckpoint, match="FIFO"):
+                call.result(timeout=20)  # a blocking open() would time out here
+        report = calls[2].result(timeout=20)
+        assert not report.ok and any("FIFO" in p for p in report.problems)
+
+
+def test_oversized_manifest_is_refused(ckpt, monkeypatch):
+    monkeypatch.setenv("SAFECKPT_MAX_MANIFEST_BYTES", "1000")
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="more than the 1000"):
+        safeckpt.read_state_dict(ckpt)
+
+
+def test_failed_load_leaves_state_unchanged(ckpt):
+    man = _manifest(ckpt)
+    # Damage the data of the LAST tensor read in place, so a load that copied as it verified
+    # would already have overwritten the others.
+    chunk = man["tensors"]["extra/t"]["chunks"][0]
+    with open(ckpt / DATA, "r+b") as f:
+        f.seek(chunk["start"])
+        byte = f.read(1)
+        f.seek(chunk["start"])
+        f.write(bytes([byte[0] ^ 0xFF]))
+    target = _state(5)
+    before = _snapshot(target)
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum"):
+        safeckpt.load(ckpt, target)
+    assert _same(before, _snapshot(target))
+    # A target that does not fit fails in the plan, also untouched.
+    target["extra"]["t"] = torch.zeros(7, dtype=torch.int64)
+    before = _snapshot(target)
+    with pytest.raises(safeckpt.IncompatibleCheckpoint):
+        safeckpt.load(ckpt, target)
+    assert _same(before, _snapshot(target))
+
+
+def test_any_string_key_round_trips(tmp_path):
+    tree = {
+        "a/b": torch.tensor([1.0]),
+        "a": {"b": torch.tensor([2.0])},
+        "a%2Fb": torch.tensor([3.0]),
+        "x@0": torch.tensor([4.0]),
+        "/ckpts/epoch=1.ckpt": {"score": torch.tensor(0.5), "path": "/ckpts/epoch=1.ckpt"},
+        "100%": 1,
+    }
+    safeckpt.save(tmp_path / "ck", {"cb": tree})
+    back = safeckpt.read_state_dict(tmp_path / "ck", nested=True)["cb"]
+    assert set(back) == set(tree)
+    for k in ("a/b", "a%2Fb", "x@0"):
+        assert torch.equal(back[k], tree[k])
+    assert torch.equal(back["a"]["b"], tree["a"]["b"])
+    assert back["/ckpts/epoch=1.ckpt"]["path"] == "/ckpts/epoch=1.ckpt"
+    flat = safeckpt.read_state_dict(tmp_path / "ck")
+    assert torch.equal(flat["cb/a%2Fb"], tree["a/b"]) and torch.equal(flat["cb/a/b"], tree["a"]["b"])
+    assert torch.equal(flat["cb/a%252Fb"], tree["a%2Fb"])
+    target = {"cb": {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in tree.items()}}
+    target["cb"]["a"] = {"b": torch.zeros(1)}
+    target["cb"]["/ckpts/epoch=1.ckpt"] = {"score": torch.tensor(0.0), "path": ""}
+    safeckpt.load(tmp_path / "ck", target)
+    assert torch.equal(target["cb"]["a/b"], tree["a/b"]) and torch.equal(target["cb"]["a"]["b"], tree["a"]["b"])
+    assert target["cb"]["/ckpts/epoch=1.ckpt"]["path"] == "/ckpts/epoch=1.ckpt"
+
+
+class _DcpStyleOptimState:
+    """What a DCP import of ``opt.state_dict()`` looked like: digit-string state keys."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.sd = opt.state_dict()
+
+    def state_dict(self) -> dict:
+        return {**self.sd, "state": {str(k): v for k, v in self.sd["state"].items()}}
+
+    def load_state_dict(self, sd: dict) -> None:  # pragma: no cover - never loaded into
+        raise AssertionError
+
+
+def test_strict_load_refuses_optimizer_state_attached_to_no_parameter(tmp_path):
+    src = _state(0)
+    safeckpt.save(tmp_path / "ck", {"optim": _DcpStyleOptimState(src["optim"])})
+    dst = _state(1)
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="no param group"):
+        safeckpt.load(tmp_path / "ck", {"optim": dst["optim"]})
+
+
+# ------------------------------------------------------------------ multi-process
+
+
+def _per_rank_values(rank: int, world: int, root: str) -> dict:
+    out = {}
+    differing = {"cursor": torch.tensor([100 + rank])}
+    out["plain"] = dist_harness.attempt(lambda: safeckpt.save(f"{root}/plain", differing))
+    out["plain_written"] = os.path.exists(f"{root}/plain")
+    wrapped = {"cursor": safeckpt.PerRank(torch.tensor([100 + rank])), "same": torch.tensor([7])}
+    safeckpt.save(f"{root}/wrapped", wrapped)
+    target = {"cursor": safeckpt.PerRank(torch.tensor([0])), "same": torch.tensor([0])}
+    safeckpt.load(f"{root}/wrapped", target)
+    out["restored"] = [int(target["cursor"].value.item()), int(target["same"].item())]
+    # All-or-nothing across ranks: damage only rank 1's per-rank copy. Rank 0 could read its
+    # own part, but must not apply it while rank 1 fails.
+    if rank == 0:
+        man = json.loads(open(f"{root}/wrapped/manifest.json").read())
+        (chunk,) = [c for c in man["tensors"]["cursor/value"]["chunks"] if c["rank"] == 1]
+        with open(f"{root}/wrapped/{chunk['file']}", "r+b") as f:
+            f.seek(chunk["start"])
+            f.write(b"\xff")
+    torch.distributed.barrier()
+    target = {"cursor": safeckpt.PerRank(torch.tensor([-1])), "same": torch.tensor([-1])}
+    out["damaged"] = dist_harness.attempt(lambda: safeckpt.load(f"{root}/wrapped", target))
+    out["after_damaged"] = [int(target["cursor"].value.item()), int(target["same"].item())]
+    return out
+
+
+def test_per_rank_plain_tensor_is_refused_or_kept_per_rank(tmp_path):
+    outs = dist_harness.run(_per_rank_values, 2, str(tmp_path), timeout=120)
+    for o in outs:
+        assert o.ok, o.message
+        v = o.value
+        assert not v["plain"]["ok"] and "RankMismatch" in v["plain"]["mro"], v["plain"]
+        assert "PerRank" in v["plain"]["msg"] and "cursor" in v["plain"]["msg"]
+        assert not v["plain_written"]
+        assert v["restored"] == [100 + o.rank, 7]
+        assert not v["damaged"]["ok"] and "CorruptCheckpoint" in v["damaged"]["mro"], v["damaged"]
+        assert v["after_damaged"] == [-1, -1]
