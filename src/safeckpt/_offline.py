@@ -52,6 +52,9 @@ def verify(
         for c in rec["chunks"]:
             by_file.setdefault(c["file"], []).append({**c, "dtype": rec["dtype"], "key": key})
     for name, rec in sorted(man["files"].items()):
+        if not _exists(safe_file_path(ckpt, name)):
+            problems.append(f"missing file {name}")
+            continue
         try:
             f = open_data_file(ckpt, name, rec["size"])
         except CheckpointError as exc:
@@ -77,6 +80,14 @@ def verify(
             if digest != rec.get("xxh3_128"):
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
+
+
+def _exists(path: str) -> bool:
+    if is_remote(path):
+        from ._remote import locate, size_of
+
+        return size_of(locate(path)) is not None
+    return os.path.lexists(path)
 
 
 def read_state_dict(

@@ -66,6 +66,7 @@ INSTALL_HINT = (
 )
 TOKEN_FILE = re.compile(r"^rank-(\d{5})\.([0-9a-f]{12})\.safetensors$")
 READAHEAD = 4 << 20  # a small read fetches this much from its start and serves later reads from it
+KEEP_VERIFIED = 512 << 20  # per object: verified chunks kept in memory for the copy that follows
 PART = 16 << 20  # larger reads are split into parts fetched concurrently (on async filesystems)
 
 
@@ -350,12 +351,17 @@ class RemoteFile:
             )
         self.size = size
         self._window: tuple[int, bytes] | None = None
+        self._kept: dict[tuple[int, int], bytes] = {}  # verified chunks, read again by the load
+        self._kept_bytes = 0
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes [start, end) of the object."""
         n = end - start
         if n <= 0:
             return b""
+        for (lo, hi), buf in self._kept.items():
+            if lo <= start and end <= hi:
+                return buf[start - lo : end - lo]
         if self._window is not None:
             lo, buf = self._window
             if lo <= start and end <= lo + len(buf):
@@ -413,7 +419,13 @@ class RemoteFile:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape((r1 - r0, *shape[1:]))
 
     def hash_range(self, start: int, end: int, window: int) -> str:
-        """xxh3-64 of bytes [start, end), read ``window`` bytes at a time."""
+        """xxh3-64 of bytes [start, end), read ``window`` bytes at a time. A range that fits
+        the budget is kept, so the load that verified it does not fetch it a second time."""
+        if self._kept_bytes + end - start <= KEEP_VERIFIED:
+            data = self._fetch(start, end)
+            self._kept[(start, end)] = data
+            self._kept_bytes += len(data)
+            return xxhash.xxh3_64_hexdigest(data)
         h = xxhash.xxh3_64()
         for off in range(start, end, window):
             h.update(self._fetch(off, min(off + window, end)))
@@ -421,6 +433,8 @@ class RemoteFile:
 
     def close(self) -> None:
         self._window = None
+        self._kept.clear()
+        self._kept_bytes = 0
 
 
 def hash_file(url: str, block: int = 64 << 20, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
