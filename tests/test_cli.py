@@ -204,7 +204,10 @@ def test_ls_shows_the_writer_lease(capsys, tmp_path):
 
 def test_ls_missing_root(capsys, tmp_path):
     code, _, err = run(capsys, "ls", tmp_path / "none")
-    assert code == 2 and "not a directory" in err
+    assert code == 2 and "no such directory" in err and err.count("\n") == 1
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, "ls", tmp_path / "file")
+    assert code == 2 and "is a file, not a directory" in err and err.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------- inspect

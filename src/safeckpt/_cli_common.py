@@ -16,9 +16,26 @@ from ._tree import decode, tensor_keys
 
 Advance = Callable[[int], None]
 
-EXIT_DIFFERENT = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+EXIT_DIFFERENT = 1  # diff found differences; also a safeckpt error with no more specific code
+EXIT_USAGE = 2  # bad arguments, or no checkpoint / file / directory of the kind asked for at a path
+EXIT_INTERNAL = 70  # an unexpected exception: a bug in safeckpt (sysexits EX_SOFTWARE)
+EXIT_IO = 74  # the operating system or a storage service refused (permission, disk full, credentials)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_PIPE = 141  # whoever read our output went away (128 + SIGPIPE), as `cmd | head` reports it
+EXIT_CODES: tuple[tuple[int, str], ...] = (  # the README's CLI table lists exactly these
+    (0, "success (sound, identical, done)"),
+    (EXIT_DIFFERENT, "`diff` found differences; or a safeckpt error with no more specific code "
+                     "(`--only` matches nothing, a pickle refused)"),
+    (EXIT_USAGE, "usage error, or no checkpoint (file, directory) of the kind needed at a path"),
+    (5, "the checkpoint is corrupt (or an import source is damaged)"),
+    (7, "a live writer holds the root (`gc` refuses)"),
+    (8, "the output exists (pass `--overwrite`)"),
+    (EXIT_INTERNAL, "internal error: a bug in safeckpt (rerun with `--debug` and report it)"),
+    (EXIT_IO, "the system or the object store refused: permission denied, disk full, I/O error, "
+              "missing credentials"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+    (EXIT_PIPE, "whoever read the output went away (`safeckpt ls ROOT | head`); nothing printed"),
+)
 ABSENT = "<absent>"
 INSTALL_HINT = "install rich for tables and progress bars: pip install 'safeckpt[cli]'"
 GC_LEASE = 30.0  # a crashed gc blocks writers on other hosts for at most this long

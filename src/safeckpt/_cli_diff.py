@@ -18,8 +18,8 @@ from ._cli_common import (
     _tensor_order,
     _values,
 )
+from ._cli_paths import checkpoint_arg
 from ._reader import TensorReader, open_manifest
-from ._storage import resolve
 
 
 def _max_abs_diff(a: Any, b: Any, piece: int = 1 << 22) -> float:
@@ -64,7 +64,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def cmd_diff(args: argparse.Namespace, ui: UI) -> int:
-    pa, pb = resolve(args.a), resolve(args.b)
+    pa, pb = checkpoint_arg(args.a), checkpoint_arg(args.b)
     ma, mb = open_manifest(pa), open_manifest(pb)
     ta, tb = ma["tensors"], mb["tensors"]
     only_a = [k for k in _tensor_order(ma) if k not in tb]

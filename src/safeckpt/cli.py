@@ -35,16 +35,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import sys
+import traceback
 import uuid
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from . import _humanize as human
 from ._catalog import Entry, remove_entry, scan
 from ._cli_common import (
-    EXIT_INTERRUPTED,
+    EXIT_CODES,
+    EXIT_PIPE,
     EXIT_USAGE,
     GC_LEASE,
     UI,
@@ -58,18 +62,26 @@ from ._cli_common import (
     _values,
 )
 from ._cli_diff import cmd_diff
+from ._cli_errors import describe, one_line
+from ._cli_paths import (
+    checkpoint_arg,
+    import_source,
+    local_output_dir,
+    local_output_file,
+    root_arg,
+    save_target,
+)
 from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
 from ._manifest import MANIFEST, CheckpointInfo, read_manifest
 from ._offline import VerifyReport, verify
 from ._reader import open_manifest
-from ._storage import is_remote, join, resolve
+from ._storage import is_remote, join
 from ._tree import tensor_keys
 from .errors import (
     CheckpointError,
-    CheckpointExists,
     CheckpointLocked,
-    CheckpointNotFound,
     CorruptCheckpoint,
+    SafeckptWarning,
 )
 from .retention import RetentionPolicy
 
@@ -105,15 +117,12 @@ def _has_manifest(path: str) -> bool:
 
 
 def _root(path: str) -> str:
-    root = resolve(path)
+    root = root_arg(path)
     if is_remote(root):
         from ._remote import locate
 
         locate(root)  # fsspec and the scheme's package are installed, or a clear error
-        return root  # an object-store prefix exists only through what is under it
-    if not os.path.isdir(root):
-        raise CheckpointNotFound(f"{root} is not a directory", path=root)
-    return root
+    return root  # (an object-store prefix exists only through what is under it)
 
 
 def _lease(root: str) -> dict[str, Any] | None:
@@ -234,7 +243,7 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
-    ckpt = resolve(args.ckpt)
+    ckpt = checkpoint_arg(args.ckpt)
     man = open_manifest(ckpt)
     order = _tensor_order(man)
     tensors = []
@@ -293,7 +302,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
-    ckpt = resolve(args.ckpt)
+    ckpt = checkpoint_arg(args.ckpt)
     try:
         man = open_manifest(ckpt)
         total = _checkpoint_files_size(man) if args.deep else 0
@@ -371,6 +380,9 @@ def _break_lease(root: str, ui: UI) -> None:
 def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
     root = _root(args.root)
     policy = _policy(args)
+    if _has_manifest(root):
+        raise UsageError(f"{root} is a checkpoint, not a checkpoint root: gc cleans the directory that "
+                         "holds checkpoints (its parent) and never writes inside a checkpoint")
     lease = _lease(root)
     live = bool(lease and lease["live"])
     refused = live and not args.break_lock
@@ -447,20 +459,11 @@ def _selected_nbytes(ckpt: str, only: str | None) -> int:
     return sum(_tensor_nbytes(man["tensors"][key]) for _, key in tensors)
 
 
-def _output_file(path: str, overwrite: bool) -> str:
-    out = os.path.abspath(path)
-    if os.path.isdir(out):
-        raise UsageError(f"{out} is a directory; give the output file name (OUT.safetensors)")
-    if os.path.lexists(out) and not overwrite:
-        raise CheckpointExists(f"{out} already exists; pass --overwrite to replace it")
-    return out
-
-
 def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
     from ._convert import consolidate
 
-    ckpt = resolve(args.ckpt)
-    out = _output_file(args.output, args.overwrite)
+    ckpt = checkpoint_arg(args.ckpt)
+    out = local_output_file(args.output, args.overwrite)
     total = _selected_nbytes(ckpt, args.only)
     with ui.progress(total, "consolidating") as advance:
         written = consolidate(ckpt, out, only=args.only, progress=_bytes_progress(advance))
@@ -472,10 +475,10 @@ def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
 def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
     from . import _convert
 
-    src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
     if args.to == "hf":
         if args.entry or args.allow_pickle or args.no_weights_only:
             raise UsageError("--entry, --allow-pickle and --no-weights-only are for --from (imports)")
+        src, dst = checkpoint_arg(args.src), local_output_dir(args.dst)
         only = "model" if args.only is None else args.only
         try:
             limit = _convert.parse_size(args.max_shard_size or "5GB")
@@ -492,6 +495,7 @@ def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
         return 0
     if args.only is not None or args.max_shard_size is not None:
         raise UsageError("--only and --max-shard-size are for --to hf (exports)")
+    src, dst = import_source(args.src, args.from_), save_target(args.dst)
     if args.from_ == "dcp":
         if args.no_weights_only:
             raise UsageError("--no-weights-only is for --from torch-save")
@@ -501,22 +505,34 @@ def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
         info = _convert.import_torch_save(src, dst, allow_pickle=args.allow_pickle, entry=args.entry,
                                           weights_only=not args.no_weights_only, overwrite=args.overwrite)
     ui.echo(f"wrote {info.path}: safeckpt checkpoint, {human.size(info.nbytes)} "
-            f"(check it with `safeckpt inspect {dst}`)")
+            f"(check it with `safeckpt inspect {args.dst}`)")
     return 0
 
 
 # --------------------------------------------------------------------------- main
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line too (argparse prints the whole usage block otherwise)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (`{self.prog} --help` shows the usage)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="safeckpt",
         description="Inspect, verify, clean up, compare and export safeckpt checkpoints.",
-        epilog="Exit codes: 0 ok; 1 diff found differences (or an unexpected error); 2 usage error or "
-               "checkpoint not found; 5 corrupt; 7 root locked by a live writer; 8 output exists.",
+        epilog="Exit codes: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES).replace("`", "")
+               + ". Errors are one line on stderr; --debug adds the traceback.",
     )
     p.add_argument("--version", action="version", version=f"safeckpt {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p.add_argument("--debug", action="store_true", help="on an error, also print the traceback")
+    common = argparse.ArgumentParser(add_help=False)  # so `safeckpt CMD ... --debug` works too
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, also print the traceback")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                           parser_class=lambda **kw: _Parser(parents=[common], **kw))
 
     s = sub.add_parser("ls", help="list checkpoints, leftovers and the writer lease under ROOT",
                        description="List what is under a checkpoint root: committed checkpoints (step, "
@@ -617,37 +633,73 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_line(exc: BaseException) -> str:
-    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+def _stdout_gone() -> bool:
+    """Whether our stdout is a pipe whose reader has gone (`safeckpt ls ROOT | head`)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLERR)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (captured output)
+        return False
+
+
+def _remote_arg(args: argparse.Namespace) -> str | None:
+    for name in ("root", "ckpt", "a", "b", "src", "dst"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and is_remote(value):
+            return value
+    return None
+
+
+def _print_err(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # stderr itself closed: nothing more to do
+        print(text, file=sys.stderr, flush=True)
+
+
+def _one_line_warnings(prog: str) -> Callable[..., None]:
+    """``warnings.showwarning``: safeckpt's own warnings as one line; others' (deprecations of
+    the libraries we call) only with --debug."""
+
+    def show(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+        if issubclass(category, SafeckptWarning):
+            _print_err(f"{prog}: warning: {one_line(str(message))}")
+
+    return show
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``safeckpt`` console script; returns the exit code."""
+    """Entry point of the ``safeckpt`` console script; returns the exit code.
+
+    Every failure is one line on stderr (``safeckpt CMD: error: ...``) and an exit code from
+    the table in the README (``EXIT_CODES``); ``--debug`` also prints the traceback."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors
-        return int(exc.code or 0)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     ui = UI()
     prog = f"safeckpt {args.command}"
+    debug = bool(getattr(args, "debug", False))
     try:
-        return int(args.func(args, ui))
-    except UsageError as exc:
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
-    except CheckpointError as exc:
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `safeckpt ls ROOT | head`
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except OSError as exc:
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _one_line_warnings(prog)
+            return int(args.func(args, ui))
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            # `safeckpt ls ROOT | head`: stop quietly, and keep Python's exit-time flush of
+            # stdout from printing a second BrokenPipeError.
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_PIPE
+        code, line = describe(exc, _remote_arg(args))
+        if debug:
+            with contextlib.suppress(OSError, ValueError):
+                traceback.print_exception(exc, file=sys.stderr)
+        _print_err(f"{prog}: {line}")
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover
