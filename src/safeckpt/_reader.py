@@ -68,6 +68,8 @@ class TensorReader:
         self.verify = verify
         self._files: dict[str, Any] = {}  # MappedFile, or _remote.RemoteFile for a URL
         self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
+        self._tied = {r["alias_of"] for r in manifest["tensors"].values() if "alias_of" in r}
+        self._made: dict[str, torch.Tensor] = {}  # tied tensors already built by new()
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
 
     def _file(self, name: str) -> Any:
@@ -76,8 +78,10 @@ class TensorReader:
         return self._files[name]
 
     def record(self, key: str) -> dict[str, Any]:
+        """The manifest record of ``key`` (for an alias, the record of the tensor it shares)."""
         try:
-            return self.man["tensors"][key]
+            rec = self.man["tensors"][key]
+            return self.man["tensors"][rec["alias_of"]] if "alias_of" in rec else rec
         except KeyError:
             raise CorruptCheckpoint(f"manifest tree refers to tensor {key!r} that it does not describe", path=self.dir) from None
 
@@ -184,10 +188,16 @@ class TensorReader:
                     pass
 
     def new(self, key: str) -> torch.Tensor:
-        """The stored tensor ``key`` as a fresh CPU tensor (full, unsharded)."""
+        """The stored tensor ``key`` as a fresh CPU tensor (full, unsharded). Tensors stored
+        once for several keys (tied weights) come back as one tensor, still tied."""
+        canonical = self.man["tensors"].get(key, {}).get("alias_of", key)
+        if canonical in self._made:
+            return self._made[canonical]
         rec = self.record(key)
         t = torch.empty(tuple(rec["shape"]), dtype=torch_dtype(rec["dtype"]))
         self.fill(key, t)
+        if canonical in self._tied:
+            self._made[canonical] = t
         return t
 
     def close(self) -> None:

@@ -101,6 +101,7 @@ class _SaveJob:
         self.tensor_table: dict[str, dict[str, Any]] = {}
         self.items: list[tuple[str, torch.Tensor]] = []
         self.records: list[dict[str, Any]] = []
+        self.aliases: dict[str, str] = {}  # key -> the key whose bytes it shares (stored once)
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -114,7 +115,8 @@ class _SaveJob:
         self.items, self.records = self._my_items()
         self.tensor_table = {
             k: {"dtype": dtype_code(leaf.tensor.dtype), "shape": list(leaf.tensor.shape), "scope": leaf.scope,
-                **({"placement": placement_of(leaf.tensor)} if leaf.scope == "sharded" else {})}
+                **({"placement": placement_of(leaf.tensor)} if leaf.scope == "sharded" else {}),
+                **({"alias_of": self.aliases[k]} if k in self.aliases else {})}
             for k, leaf in sorted(self.leaves.items())
         }
 
@@ -177,6 +179,7 @@ class _SaveJob:
                 raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
             dtype_code(leaf.tensor.dtype)
             self.leaves[leaf.key] = leaf
+        self.aliases = find_aliases(self.leaves)
         layout = self._layout()
         boxes = {
             k: _local_box(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "sharded"
@@ -193,7 +196,7 @@ class _SaveJob:
     def _layout(self) -> list[Any]:
         objs = [[o.name, o.kind] for o in self.objects]
         tensors = [
-            [k, dtype_code(leaf.tensor.dtype), list(leaf.tensor.shape), leaf.scope]
+            [k, dtype_code(leaf.tensor.dtype), list(leaf.tensor.shape), leaf.scope, self.aliases.get(k)]
             for k, leaf in sorted(self.leaves.items())
         ]
         return [objs, tensors]
@@ -207,7 +210,11 @@ class _SaveJob:
         return "error" if self.coord.world_size > 1 else "off"
 
     def _replica_digests(self) -> dict[str, str]:
-        return {k: replica_digest(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "replicated"}
+        return {
+            k: replica_digest(leaf.tensor)
+            for k, leaf in self.leaves.items()
+            if leaf.scope == "replicated" and k not in self.aliases
+        }
 
     def _check_agreement(self, agreed: list[dict[str, Any]]) -> None:
         ref = agreed[0]
@@ -280,7 +287,7 @@ class _SaveJob:
         specs = [
             (k, list(leaf.tensor.shape), leaf.tensor.element_size())
             for k, leaf in sorted(self.leaves.items())
-            if leaf.scope == "replicated"
+            if leaf.scope == "replicated" and k not in self.aliases
         ]
         for piece in plan_replicated(specs, world):
             if piece.rank != rank:
@@ -297,6 +304,8 @@ class _SaveJob:
             records.append({"key": piece.key, "name": name, "offsets": offsets, "sizes": list(t.shape)})
 
         for k, leaf in sorted(self.leaves.items()):
+            if k in self.aliases:
+                continue  # its bytes are the aliased tensor's, written once under that key
             if leaf.scope == "per_rank":
                 items.append((k, leaf.tensor))
                 records.append({"key": k, "name": k, "offsets": [0] * leaf.tensor.dim(),
@@ -417,6 +426,26 @@ class _SaveJob:
             "tensors": tensors,
         }
         return manifest
+
+
+def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
+    """Tensors that are the same memory (tied weights: one Parameter under two names, or two
+    identical views of one storage): each maps to the first such key in sorted order, whose
+    bytes alone are written. Views that differ (another offset, shape or stride) are stored as
+    separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for k, leaf in sorted(leaves.items()):
+        t = leaf.tensor.to_local() if hasattr(leaf.tensor, "to_local") else leaf.tensor
+        if t.numel() == 0:
+            continue
+        ident = (leaf.scope, t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
+                 tuple(t.shape), t.stride(), tuple(leaf.tensor.shape))
+        if ident in first:
+            aliases[k] = first[ident]
+        else:
+            first[ident] = k
+    return aliases
 
 
 def replica_digest(t: torch.Tensor) -> str:

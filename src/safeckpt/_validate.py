@@ -97,7 +97,11 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         if "rank" in rec:
             _int(rec["rank"], f"rank of file {name!r}", 0, world - 1)
     for key, rec in tensors.items():
-        _check_tensor(key, _dict(rec, f"tensor {key!r}"), files, world, dtype_size)
+        rec = _dict(rec, f"tensor {key!r:.200}")
+        if "alias_of" in rec:
+            _check_alias(key, rec, tensors)
+        else:
+            _check_tensor(key, rec, files, world, dtype_size)
     referenced: set[str] = set()
     for name, obj in objects.items():
         if not isinstance(name, str) or not name or "/" in name or name.startswith("@"):
@@ -121,6 +125,22 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     orphans = sorted(set(tensors) - referenced)
     if orphans:
         raise _Bad(f"tensor {orphans[0]!r:.200} is described but no object refers to it")
+
+
+def _check_alias(key: str, rec: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """A tensor stored once under another key (tied weights): same dtype, shape and scope."""
+    what = f"tensor {key!r:.200}"
+    target = rec["alias_of"]
+    if not isinstance(target, str) or target == key or target not in tensors:
+        raise _Bad(f"{what} is an alias of {target!r:.200}, which the manifest does not describe")
+    other = _dict(tensors[target], f"tensor {target!r:.200}")
+    if "alias_of" in other:
+        raise _Bad(f"{what} is an alias of {target!r:.200}, itself an alias")
+    for field in ("dtype", "shape", "scope"):
+        if rec.get(field) != other.get(field):
+            raise _Bad(f"{what} is an alias of {target!r:.200} but its {field} differs")
+    if rec.get("chunks", []) != []:
+        raise _Bad(f"{what} is an alias but has chunks of its own")
 
 
 def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: int, dtype_size: Any) -> None:
