@@ -1,0 +1,145 @@
+"""Full fp32 weights from a ZeRO checkpoint saved by safeckpt, and their export.
+
+The replacement for DeepSpeed's ``zero_to_fp32.py`` (which cannot read this format and would
+unpickle): the per-rank flat fp32 partitions and the parameter shapes are read pickle-free,
+then handed to DeepSpeed's own reconstruction functions, so the weights are exactly those
+``zero_to_fp32`` would produce from a stock checkpoint of the same state. The export is then
+written by safeckpt's :func:`~safeckpt._convert.consolidate` (one safetensors file) or
+:func:`~safeckpt._convert.export_hf` (Hugging Face layout) from a temporary single-process
+safeckpt checkpoint next to the output.
+
+Offline: no process group is used (it also works on one rank of a running job). Memory: the
+full fp32 model plus one rank's optimizer file at a time, like ``zero_to_fp32``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from typing import Any
+
+import torch
+
+from .._commit import remove_tree
+from .._convert import consolidate, export_hf
+from .._offline import read_state_dict
+from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound
+from . import _deepspeed_codec as codec
+from ._deepspeed_tags import INDEX, pick, read_index, save_local
+
+
+def tag_dir_of(src: str | os.PathLike[str], tag: str | None = None) -> str:
+    """The tag directory for ``src``: a tag directory itself, or a save directory (then
+    ``tag``, or the newest committed tag saved with ``save_latest``)."""
+    src = os.path.abspath(os.fspath(src))
+    if os.path.isfile(os.path.join(src, INDEX)) and tag is None:
+        return src
+    picked = pick(src, tag)
+    if not picked["candidates"]:
+        why = "; ".join(picked["damaged"]) or "no committed tag saved by safeckpt"
+        raise CheckpointNotFound(f"no usable tag{f' {tag!r}' if tag else ''} under {src}: {why}", path=src)
+    return os.path.join(src, picked["candidates"][0])
+
+
+def _natural(name: str) -> list[Any]:
+    return [int(c) if c.isdigit() else c for c in re.split(r"(\d+)", name)]
+
+
+def _read(tag_dir: str, name: str) -> dict[str, Any]:
+    return codec.decode(read_state_dict(os.path.join(tag_dir, name), nested=True))
+
+
+def get_fp32_state_dict(
+    src: str | os.PathLike[str], tag: str | None = None, *, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's full fp32 ``state_dict`` from a ZeRO 1/2/3 checkpoint saved by safeckpt
+    (the pickle-free counterpart of ``get_fp32_state_dict_from_zero_checkpoint``)."""
+    from deepspeed.checkpoint.constants import (
+        BUFFER_NAMES,
+        DS_VERSION,
+        FP32_FLAT_GROUPS,
+        FROZEN_PARAM_FRAGMENTS,
+        FROZEN_PARAM_SHAPES,
+        OPTIMIZER_STATE_DICT,
+        PARAM_ALIGNMENT_PADDINGS,
+        PARAM_SHAPES,
+        PARTITION_COUNT,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+        ZERO_STAGE,
+    )
+    from deepspeed.utils import zero_to_fp32 as z2f
+
+    tag_dir = tag_dir_of(src, tag)
+    files = sorted(read_index(tag_dir)["files"], key=_natural)
+    model_files = [f for f in files if f.endswith("_model_states.pt")]
+    optim_files = [f for f in files if f.endswith("_optim_states.pt")]
+    if not model_files or not optim_files:
+        raise CheckpointError(
+            f"{tag_dir} has no ZeRO optimizer files (*_optim_states.pt): it was not saved with "
+            "ZeRO; its model states hold the weights already (read them with "
+            "safeckpt.read_state_dict)"
+        )
+    model_states = []
+    for name in model_files:
+        sd = _read(tag_dir, name)
+        model_states.append(z2f.zero_model_state(
+            buffers={k: v.float() if v.is_floating_point() else v
+                     for k, v in sd["module"].items() if k in sd[BUFFER_NAMES]},
+            param_shapes=sd[PARAM_SHAPES],
+            shared_params=[[k, v] for k, v in (sd.get("shared_params") or {}).items()],
+            ds_version=sd.get(DS_VERSION),
+            frozen_param_shapes=sd.get(FROZEN_PARAM_SHAPES),
+            frozen_param_fragments=sd.get(FROZEN_PARAM_FRAGMENTS),
+        ))
+    flat_groups, first = [], None
+    for name in optim_files:
+        osd = _read(tag_dir, name)[OPTIMIZER_STATE_DICT]
+        first = first or osd
+        stage = int(osd[ZERO_STAGE])
+        flat_groups.append(osd[SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else FP32_FLAT_GROUPS])
+    assert first is not None
+    stage, world = int(first[ZERO_STAGE]), first[PARTITION_COUNT]
+    world = max(world) if isinstance(world, list) else int(world)
+    if world != len(optim_files):
+        raise CheckpointError(f"{tag_dir}: {len(optim_files)} optimizer files for {world} partitions")
+    if stage <= 2:
+        sd = z2f._get_fp32_state_dict_from_zero2_checkpoint(
+            world, flat_groups, model_states, exclude_frozen_parameters, first.get(PARAM_ALIGNMENT_PADDINGS))
+    else:
+        sd = z2f._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, exclude_frozen_parameters)
+    return z2f.to_torch_tensor(sd)
+
+
+def export(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    hf: bool = False,
+    max_shard_size: int | str = "5GB",
+    exclude_frozen_parameters: bool = False,
+    overwrite: bool = False,
+) -> list[str]:
+    """Export the full fp32 weights of a ZeRO checkpoint saved by safeckpt.
+
+    ``src`` is a save directory (newest committed tag, or ``tag``) or one tag directory.
+    Writes ``out`` as one safetensors file, or with ``hf=True`` the directory ``out`` in the
+    Hugging Face layout (``model.safetensors`` or shards plus index). Names are the model's
+    ``state_dict`` keys, so ``model.load_state_dict(safetensors.torch.load_file(out))``
+    works. Returns the paths written.
+    """
+    out = os.path.abspath(os.fspath(out))
+    if not hf and os.path.lexists(out) and not overwrite:
+        raise CheckpointExists(f"{out} exists; pass overwrite=True to replace it")
+    weights = get_fp32_state_dict(src, tag, exclude_frozen_parameters=exclude_frozen_parameters)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.safeckpt-export-{uuid.uuid4().hex[:12]}")
+    try:
+        save_local(tmp, {"model": weights}, metadata={"exported_from": os.fspath(src)}, timeout=None)
+        if hf:
+            return export_hf(tmp, out, only="model", max_shard_size=max_shard_size, overwrite=overwrite)
+        return [consolidate(tmp, out, only="model").path]
+    finally:
+        remove_tree(tmp)
