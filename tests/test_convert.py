@@ -111,6 +111,77 @@ def test_import_dcp_then_load_and_consolidate(saved, tmp_path):
     assert_same(a, b, "DCP -> safeckpt -> consolidate")
 
 
+def test_import_dcp_of_a_plain_optimizer_state_dict_attaches_its_state(tmp_path):
+    """The recipe before ``get_state_dict``: ``dcp.save({"model": m.state_dict(), "optim":
+    opt.state_dict()})``. DCP stringifies the state keys ("0", "1"...) while the param groups keep
+    the ints; the import gives the keys back, so a strict load into a plain AdamW attaches every
+    entry and training continues exactly as it would have."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+        opt = torch.optim.AdamW([{"params": model[0].parameters()},
+                                 {"params": model[2].parameters(), "lr": 0.02, "weight_decay": 0.0}],
+                                lr=0.01, weight_decay=0.1)
+        return model, opt
+
+    def step(model, opt, seed):
+        torch.manual_seed(seed)
+        opt.zero_grad()
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        opt.step()
+
+    model, opt = make(0)
+    for i in range(3):
+        step(model, opt, 100 + i)
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"epoch": 3}},
+                 checkpoint_id=str(src))
+    raw = _convert.load_dcp(src)  # what DCP itself gives back: keys no param group names
+    assert sorted(raw["optim"]["state"]) == ["0", "1", "2", "3"]
+    assert [g["params"] for g in raw["optim"]["param_groups"]] == [[0, 1], [2, 3]]
+
+    # saved as DCP returns it, a strict load refuses (the state would attach to nothing)
+    safeckpt.save(tmp_path / "unfixed", {"model": raw["model"], "optim": raw["optim"]})
+    fresh, fresh_opt = make(1)
+    with pytest.raises(safeckpt.CheckpointError):
+        safeckpt.load(tmp_path / "unfixed", {"model": fresh, "optim": fresh_opt})
+
+    _convert.import_dcp(src, tmp_path / "imported")
+    fresh, fresh_opt = make(1)
+    state = {"model": fresh, "optim": fresh_opt, "extra": {"epoch": 0}}
+    safeckpt.load(tmp_path / "imported", state)
+    assert state["extra"] == {"epoch": 3}
+    assert len(fresh_opt.state) == 4
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert set(fresh_opt.state[q]) == {"step", "exp_avg", "exp_avg_sq"}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key]), key
+    for g, h in zip(opt.param_groups, fresh_opt.param_groups, strict=True):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in h.items() if k != "params"}
+    step(model, opt, 7)
+    step(fresh, fresh_opt, 7)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_rekey_optimizer_states_only_touches_position_keyed_state():
+    state = {"exp_avg": torch.ones(1)}
+    plain = {"state": {"0": state, "1": state}, "param_groups": [{"params": [0]}, {"params": [1, 2]}]}
+    by_name = {"state": {"w": state, "0": state}, "param_groups": [{"params": ["w", "0"]}]}
+    clash = {"state": {"0": state, 0: state, "7": state}, "param_groups": [{"params": [0, 1]}]}
+    tree = {"optim": plain, "nested": [{"opt": by_name}], "clash": clash}
+    assert _convert.rekey_optimizer_states(tree) == 2
+    assert list(plain["state"]) == [0, 1]
+    assert list(by_name["state"]) == ["w", "0"]  # keyed by parameter name: left alone
+    assert list(clash["state"]) == ["0", 0, "7"]  # an int key already there, "7" names no param
+
+
 def test_export_hf_single_and_sharded(saved, tmp_path):
     root, ref = saved
     ck = os.path.join(root, "ck")

@@ -13,6 +13,7 @@ from typing import Any
 
 from ._manifest import torch_dtype
 from ._tree import decode, tensor_keys
+from .errors import CheckpointExists, CheckpointLocked, CorruptCheckpoint, RankFailure
 
 Advance = Callable[[int], None]
 
@@ -27,9 +28,10 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (  # the README's CLI table lists exac
     (EXIT_DIFFERENT, "`diff` found differences; or a safeckpt error with no more specific code "
                      "(`--only` matches nothing, a pickle refused)"),
     (EXIT_USAGE, "usage error, or no checkpoint (file, directory) of the kind needed at a path"),
-    (5, "the checkpoint is corrupt (or an import source is damaged)"),
-    (7, "a live writer holds the root (`gc` refuses)"),
-    (8, "the output exists (pass `--overwrite`)"),
+    (RankFailure.exit_code, "the save of an import failed (`RankFailure`; the line says why)"),
+    (CorruptCheckpoint.exit_code, "the checkpoint is corrupt (or an import source is damaged)"),
+    (CheckpointLocked.exit_code, "a live writer holds the root (`gc` refuses)"),
+    (CheckpointExists.exit_code, "the output exists (pass `--overwrite`)"),
     (EXIT_INTERNAL, "internal error: a bug in safeckpt (rerun with `--debug` and report it)"),
     (EXIT_IO, "the system or the object store refused: permission denied, disk full, I/O error, "
               "missing credentials"),

@@ -4,6 +4,7 @@ only local paths work) is one line saying what the path is and what to pass inst
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -51,6 +52,11 @@ def _stat(path: str, what: str) -> os.stat_result | None:
         raise CheckpointNotFound(f"no {what} at {path}: {parent} is a file, not a directory", path=path) from None
 
 
+def _readable(path: str, mode: int) -> None:
+    if not os.access(path, mode):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+
 def _file_hint(path: str) -> str:
     name = os.path.basename(path)
     if name == MANIFEST:
@@ -82,7 +88,11 @@ def checkpoint_arg(arg: str, what: str = "checkpoint") -> str:
             f"{path} is {_kind(st.st_mode)}, not a checkpoint: a safeckpt checkpoint is a directory "
             f"holding {MANIFEST}{_file_hint(path) if stat.S_ISREG(st.st_mode) else ''}", path=path,
         )
-    if not os.path.lexists(os.path.join(path, MANIFEST)) and _looks_like_root(path):
+    _readable(path, os.R_OK | os.X_OK)
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.isfile(manifest):
+        _readable(manifest, os.R_OK)  # (the reader would call it corrupt: it is not)
+    elif _looks_like_root(path):
         raise CheckpointNotFound(
             f"{path} is a checkpoint root (it holds step-* checkpoints), not one checkpoint: "
             f"`safeckpt ls {arg}` lists them; pass one of them", path=path,

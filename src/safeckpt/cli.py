@@ -11,11 +11,12 @@ Commands (``safeckpt COMMAND --help`` for options)::
                          one full (unsharded) state dict in a plain safetensors file
     convert SRC DST      import DCP / torch.save (--from), export to Hugging Face (--to hf)
 
-Exit codes: 0 success (sound, identical, done); 1 ``diff`` found differences, or an unexpected
-error; 2 usage error or no checkpoint at the path (CheckpointNotFound); 5 the checkpoint is
-corrupt (``verify``); 7 a live writer holds the root (``gc`` refuses); 8 the output exists
-(``consolidate``/``convert`` without --overwrite); 130 interrupted. Every error is one line on stderr, and
-a :class:`~safeckpt.CheckpointError` exits with its class's ``exit_code``.
+Exit codes (``EXIT_CODES`` in ``_cli_common``, the README's table): 0 success; 1 ``diff`` found
+differences, or a safeckpt error with no more specific code; 2 usage error or no checkpoint (file,
+directory) of the needed kind at a path; 3 an import's save failed; 5 corrupt; 7 a live writer
+holds the root; 8 the output exists; 70 internal error (a bug); 74 the system or the object
+store refused (permission, disk full, credentials); 130 interrupted; 141 the output pipe closed.
+Every error is one line on stderr (:mod:`safeckpt._cli_errors`); ``--debug`` adds the traceback.
 
 The CLI reads checkpoints without a process group and never takes the writer lease, except
 ``gc``, which holds it while it deletes so that no job starts saving into what it cleans. It
@@ -684,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             if not debug:
                 warnings.showwarning = _one_line_warnings(prog)
-            return int(args.func(args, ui))
+            code = int(args.func(args, ui))
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's exit-time flush
+            return code
     except SystemExit:
         raise
     except BaseException as exc:
