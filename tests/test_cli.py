@@ -433,6 +433,9 @@ def test_max_abs_diff_edge_values():
     assert _max_abs_diff(a, torch.tensor([1.0, 0.0, float("inf"), 0.0, 2.0])) == float("inf")
     assert _max_abs_diff(torch.tensor([True, False]), torch.tensor([True, True])) == 1.0
     assert _max_abs_diff(torch.arange(10, dtype=torch.int64), torch.arange(10, dtype=torch.int64) * 2, piece=3) == 9.0
+    # dtypes torch will not promote together (a checkpoint whose dtype changed): compared widened
+    assert _max_abs_diff(torch.arange(4, dtype=torch.int64), torch.tensor([0, 2, 4, 6], dtype=torch.uint64)) == 3.0
+    assert _max_abs_diff(torch.ones(3, dtype=torch.uint32), torch.ones(3, dtype=torch.bfloat16)) == 0.0
 
 
 # ----------------------------------------------------------------------------- consolidate

@@ -27,15 +27,17 @@ def _max_abs_diff(a: Any, b: Any, piece: int = 1 << 22) -> float:
     import torch
 
     fa, fb = a.reshape(-1), b.reshape(-1)
+    wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
     best = 0.0
     for start in range(0, fa.numel(), piece):
         x, y = fa[start:start + piece], fb[start:start + piece]
+        if x.dtype != y.dtype:  # torch does not promote every pair (int64 vs uint64): compare widened
+            x, y = x.to(wide), y.to(wide)
         same = x == y
         if x.is_floating_point() or x.is_complex():
             same |= torch.isnan(x) & torch.isnan(y)
         if bool(same.all()):
             continue
-        wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
         d = (x.to(wide) - y.to(wide)).abs()  # real float64 either way
         d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
         d = torch.nan_to_num(d, nan=math.inf)  # NaN against a number: infinitely different
