@@ -5,13 +5,20 @@ Design:
   by the first collective safeckpt call (which every rank makes at the same point), so the
   training job's own (often NCCL) group is never used or disturbed, and an absent peer costs at
   most ``timeout`` seconds instead of the 30-minute default.
+- Creating that group is bounded too. Ranks first meet in the job's store (each publishes who it
+  is, see ``_liveness``) with their own deadline, so a rank that died before safeckpt's first
+  call is named after ``timeout``. The group is then created with a connect timeout of
+  ``timeout / 6`` (gloo waits up to 5x that for a peer that dies while connecting) and its
+  collective timeout raised to ``timeout`` afterwards.
 - Every step runs as a *phase*: each rank runs its local work inside ``try``, then all ranks
   exchange outcomes. Any failure becomes the same exception on every rank, naming each failing
   rank and its error. Nothing is raised between collectives, so no rank is ever left waiting.
 - Payloads travel as JSON inside uint8 tensors, never pickle: a load path never unpickles.
-- When the transport itself fails (a peer died or timed out), arrival markers in the job's
-  TCPStore tell which ranks never reached the phase. After that the group is poisoned (gloo
-  cannot recover it) and later calls fail at once instead of hanging.
+- When the transport itself fails (a peer died or timed out), the error says what this rank saw
+  (connection closed after N s, or no answer within the timeout) and which rank failed: a peer
+  whose process is gone (checked by pid where comparable), else the ranks whose arrival marker
+  in the job's store is missing. After that the group is poisoned (gloo cannot recover it) and
+  later calls fail at once instead of hanging.
 
 With no process group initialised everything degrades to a single process.
 """
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -29,10 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._liveness import DEATH_WATCH, is_gone, self_record
 from .errors import PORTABLE_ERRORS, CheckpointError, RankFailure
 
 DEFAULT_TIMEOUT = 600.0
 TIMEOUT_ENV = "SAFECKPT_TIMEOUT"
+CONNECT_SHARE = 6  # group connect timeout = timeout / 6: gloo's connect may wait 5x it
+SETUP_HINT = "Nothing was saved or loaded by this call; committed checkpoints are intact."
+DEFAULT_HINT = "Checkpoints committed before this call are intact."
+DEATH_GRACE = 1.0  # seconds to wait for a peer whose socket closed to show up as exited
+FIRST_WINDOW = 0.1  # peers seen gone within this of the first one count as having failed together
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -52,15 +67,15 @@ def distributed_active() -> bool:
 class _GroupState:
     """A dedicated gloo group plus the bookkeeping that must stay in step across ranks."""
 
-    def __init__(self, group: Any, uid: int) -> None:
-        self.group = group
-        self.uid = uid
-        self.seq = 0
+    def __init__(self, key: str, world_size: int) -> None:
+        self.group: Any = None
+        self.key = key  # prefix of this group's keys in the job's store
+        self.peers: list[dict[str, Any] | None] = [None] * world_size
+        self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
 
 
 _GROUPS: dict[tuple[int, float, str], tuple[weakref.ref, _GroupState]] = {}
-_GROUP_COUNTER = [0]
 _GROUP_ATTEMPTS = [0]  # group creations on this rank (same count on every rank)
 
 
@@ -74,19 +89,26 @@ def _group_alive(group: Any) -> bool:
 def _cached_group(timeout: float, purpose: str) -> _GroupState | None:
     default_pg = dist.distributed_c10d._get_default_group()
     cached = _GROUPS.get((id(default_pg), timeout, purpose))
-    if cached is not None and cached[0]() is default_pg and _group_alive(cached[1].group):
-        return cached[1]
+    if cached is not None and cached[0]() is default_pg:
+        state = cached[1]
+        if state.broken or _group_alive(state.group):
+            return state
     return None
 
 
-def _new_group(timeout: float, purpose: str) -> _GroupState:
-    default_pg = dist.distributed_c10d._get_default_group()
-    key = (id(default_pg), timeout, purpose)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    _GROUP_COUNTER[0] += 1
-    state = _GroupState(group, _GROUP_COUNTER[0])
-    _GROUPS[key] = (weakref.ref(default_pg), state)
-    return state
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _new_gloo_group(timeout: float) -> Any:
+    """A gloo group over all ranks whose creation waits at most ~``timeout`` for a dead peer
+    and whose collectives time out after ``timeout``."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    if gloo is None or not hasattr(gloo, "_set_default_timeout"):  # pragma: no cover - old torch
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout / CONNECT_SHARE))
+    group._get_backend(torch.device("cpu"))._set_default_timeout(timedelta(seconds=timeout))
+    return group
 
 
 def describe_exception(exc: BaseException) -> dict[str, Any]:
@@ -102,6 +124,16 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 def _one_line(err: dict[str, Any]) -> str:
     msg = err["message"].strip()
     return f"{err['type']}: {msg}" if msg else err["type"]
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gloo/c10d message without its C++ backtrace or build-path prefix."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return re.sub(r"^\[[^\]]*/(gloo|c10d)/[^\]]*\]\s*", "", text)[:300]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 class Coordinator:
@@ -122,21 +154,38 @@ class Coordinator:
             self.rank, self.world_size = 0, 1
         self._state: _GroupState | None = None
         if self.world_size > 1:
-            self._state = _cached_group(self.timeout, purpose)
-            if self._state is None:
-                # Creating the group is itself a collective (through the store): a rank that
-                # never arrives must give RankFailure within the timeout, like any later phase.
-                _GROUP_ATTEMPTS[0] += 1
-                marker = f"safeckpt/group-{_GROUP_ATTEMPTS[0]}"
-                self._mark_arrival(marker)
-                try:
-                    self._state = _new_group(self.timeout, purpose)
-                except Exception as exc:
-                    raise self._lost_peers("setup", marker, exc) from exc
+            self._state = _cached_group(self.timeout, purpose) or self._create_group(purpose)
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    # ------------------------------------------------------------------ setup
+    def _create_group(self, purpose: str) -> _GroupState:
+        """Meet every rank in the store (bounded), then create the gloo group (bounded).
+
+        Creating a group is itself a collective: a rank that never arrives, or dies while the
+        group connects, gives RankFailure within the timeout, like any later phase.
+        """
+        default_pg = dist.distributed_c10d._get_default_group()
+        _GROUP_ATTEMPTS[0] += 1
+        state = _GroupState(f"safeckpt/group-{_GROUP_ATTEMPTS[0]}", self.world_size)
+        # Cached at once: a failed creation poisons this group, so later calls fail fast.
+        _GROUPS[(id(default_pg), self.timeout, purpose)] = (weakref.ref(default_pg), state)
+        started = time.monotonic()
+        first_gone: dict[int, float] = {}
+        try:
+            keys = [f"{state.key}/peer/{r}" for r in range(self.world_size)]
+            store = _store()
+            store.set(keys[self.rank], json.dumps(self_record()))
+            store.wait(keys, timedelta(seconds=self.timeout))
+            state.peers = [json.loads(store.get(k)) for k in keys]
+            with DEATH_WATCH.watching(state.peers) as watch:
+                first_gone = watch.first_gone
+                state.group = _new_gloo_group(self.timeout)
+        except Exception as exc:  # a peer absent, dead, or the store gone
+            raise self._lost_peers(state, "setup", SETUP_HINT, exc, started, first_gone) from exc
+        return state
 
     # ------------------------------------------------------------------ phases
     def run(self, phase: str, fn: Callable[[], Any], *, hint: str = "") -> list[Any]:
@@ -144,6 +193,7 @@ class Coordinator:
 
         If ``fn`` raised on any rank, every rank raises the same error: the portable
         CheckpointError type when all failing ranks agree on it, else ``RankFailure``.
+        ``hint`` (what the failure means for the checkpoint) ends every error message.
         """
         local_exc: BaseException | None = None
         try:
@@ -154,7 +204,7 @@ class Coordinator:
         if self.world_size == 1:
             results = [payload]
         else:
-            results = self._exchange(phase, payload)
+            results = self._exchange(phase, payload, hint)
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
         if failures and self.world_size == 1:
             if isinstance(local_exc, CheckpointError):
@@ -174,7 +224,7 @@ class Coordinator:
         lines = [f"  rank {r}: {_one_line(failures[r])}" for r in ranks]
         where = "rank" if len(ranks) == 1 else "ranks"
         head = (
-            f"{self.what} failed on {where} {', '.join(map(str, ranks))} "
+            f"{self.what} failed on {where} {_ranks(ranks)} "
             f"(of {self.world_size}) during {phase!r}:"
         )
         text = "\n".join([head, *lines] + ([hint] if hint else []))
@@ -194,74 +244,144 @@ class Coordinator:
         if self.world_size == 1:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+        self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), "")
         return bool(t.item())
 
-    def _exchange(self, phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        return self._transport(phase, lambda group: self._all_gather_json(payload, group))
+    def _exchange(self, phase: str, payload: dict[str, Any], hint: str) -> list[dict[str, Any]]:
+        return self._transport(phase, lambda group: self._all_gather_json(payload, group), hint)
 
-    def _transport(self, phase: str, op: Callable[[Any], Any]) -> Any:
+    def _transport(self, phase: str, op: Callable[[Any], Any], hint: str) -> Any:
         state = self._state
         assert state is not None
         if state.broken:
             raise RankFailure(
                 f"{self.what}: the checkpoint process group is unusable since an earlier failure "
-                f"({state.broken}); a rank died or timed out. Restart the job "
-                "(the last committed checkpoint is intact).",
+                f"({state.broken}). Restart the job. {hint or DEFAULT_HINT}",
             )
         state.seq += 1
-        marker = f"safeckpt/{state.uid}/arrived"
-        self._mark_arrival(marker, state.seq)
-        try:
-            return op(state.group)
-        except Exception as exc:  # transport failure: dead, hung or absent peer
-            state.broken = f"{phase!r}: {str(exc).splitlines()[0][:200]}"
-            raise self._lost_peers(phase, marker, exc, state.seq) from exc
+        self._mark(f"{state.key}/arrived/{self.rank}", state.seq)
+        started = time.monotonic()
+        with DEATH_WATCH.watching(state.peers) as watch:
+            try:
+                return op(state.group)
+            except Exception as exc:  # transport failure: dead, hung or absent peer
+                raise self._lost_peers(state, phase, hint, exc, started, watch.first_gone) from exc
 
-    def _lost_peers(self, phase: str, marker: str, exc: BaseException, seq: int = 1) -> RankFailure:
-        """The RankFailure for a transport failure: names the ranks that never reached ``marker``."""
-        missing = self._missing_ranks(marker, seq)
-        if missing:
-            who = ", ".join(map(str, missing))
-            text = (
-                f"{self.what} failed: rank(s) {who} (of {self.world_size}) did not reach "
-                f"phase {phase!r} within {self.timeout:.0f}s: the process died, hung, or "
-                "raised outside safeckpt. Check that rank's log. No checkpoint was "
-                "published by this call; the previous one is intact."
-            )
-            failures = {r: f"did not reach {phase!r} (died or hung)" for r in missing}
+    # -------------------------------------------------------------- diagnosis
+    def _lost_peers(self, state: _GroupState, phase: str, hint: str, exc: BaseException,
+                    started: float, first_gone: dict[int, float]) -> RankFailure:
+        """The RankFailure for a transport failure: what this rank saw, and who failed."""
+        elapsed = time.monotonic() - started
+        raw = _first_line(exc)
+        low = raw.lower()
+        closed = any(s in low for s in ("closed", "reset by peer", "broken pipe", "failed to recv"))
+        if "timeout caused pair closure" in low:
+            seen = f"a peer gave up waiting (its timeout expired) and closed the connection after {elapsed:.1f}s"
+        elif closed:
+            addr = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", raw)
+            peer = f" ({addr.group(1)}:{addr.group(2)})" if addr else ""
+            seen = f"the connection to a peer{peer} was closed after {elapsed:.1f}s"
+        elif "connect timeout" in low:
+            seen = f"a peer never finished connecting (gloo's connect timed out after {elapsed:.1f}s)"
+        elif "timed out" in low or "timeout" in low:
+            seen = f"no answer within the {self.timeout:g}s timeout, waited {elapsed:.1f}s"
         else:
+            seen = f"{raw} (after {elapsed:.1f}s)"
+        # Tell the others (through the store) that this rank saw the failure: it is a survivor.
+        self._mark(f"{state.key}/failed/{self.rank}", state.seq)
+        gone, missing, alive, store_error = self._diagnose(state, closed, first_gone)
+        tail = hint or (SETUP_HINT if phase == "setup" else DEFAULT_HINT)
+        n = self.world_size
+        if gone:
+            before = [r for r in gone if r in missing]
+            when = ("at or before" if store_error
+                    else "before reaching" if len(before) == len(gone) else "during")
             text = (
-                f"{self.what} failed during {phase!r}: lost contact with a peer rank "
-                f"({str(exc).splitlines()[0][:300]}). No checkpoint was published by this "
-                "call; the previous one is intact."
+                f"{self.what} failed: rank(s) {_ranks(gone)} (of {n}) exited or was killed "
+                f"{when} phase {phase!r} (seen here: {seen}). Check that rank's log "
+                f"(crash, out-of-memory kill, or an exception outside safeckpt). {tail}"
+            )
+            failures = {r: f"process exited {when} {phase!r}" for r in gone}
+        elif missing:
+            why = ("and is still running: hung, or busy outside safeckpt"
+                   if all(r in alive for r in missing) else "(died, hung, or raised outside safeckpt)")
+            text = (
+                f"{self.what} failed: rank(s) {_ranks(missing)} (of {n}) did not reach phase "
+                f"{phase!r} {why} (seen here: {seen}). Check that rank's log. {tail}"
+            )
+            failures = {r: f"did not reach {phase!r} ({seen})" for r in missing}
+        elif store_error:
+            text = (
+                f"{self.what} failed during {phase!r}: lost contact with a peer rank ({seen}) and "
+                f"the job's store{_store_address()} is unreachable ({store_error}). Without "
+                "torchrun's agent the store lives in rank 0, so rank 0 has most likely exited; "
+                f"which rank failed first cannot be told from here. {tail}"
             )
             failures = {}
+        else:
+            text = (
+                f"{self.what} failed during {phase!r}: lost contact with a peer rank ({seen}; "
+                f"{raw}). Every rank reached this phase and none is known to have exited; check "
+                f"the other ranks' logs. {tail}"
+            )
+            failures = {}
+        who = f"rank(s) {_ranks(sorted(failures))}: " if failures else ""
+        state.broken = f"{phase!r}: {who}{seen}"
         return RankFailure(text, failures)
 
-    def _mark_arrival(self, marker: str, seq: int = 1) -> None:
-        """Record in the job's store that this rank reached collective ``seq`` of ``marker``.
+    def _diagnose(self, state: _GroupState, closed: bool,
+                  first_gone: dict[int, float]) -> tuple[list[int], list[int], list[int], str]:
+        """(ranks whose process went first and did not see the failure themselves, ranks that
+        did not reach the failed collective, ranks known to be alive, the store's error if any).
+
+        A survivor that saw the failure, raised and exited may look gone too: it left a
+        "failed" marker in the store, and (if the store went with rank 0) it was seen gone
+        later than the rank that failed first (``first_gone``, noted while this rank waited).
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        store_error = ""
+        missing: list[int] = []
+        survivors: set[int] = set()
+        try:
+            store = _store()
+            for r in others:
+                if state.seq == 0:  # setup: arrived = published its record
+                    key = f"{state.key}/peer/{r}"
+                    if store.check([key]):
+                        state.peers[r] = state.peers[r] or json.loads(store.get(key))
+                    else:
+                        missing.append(r)
+                else:
+                    key = f"{state.key}/arrived/{r}"
+                    if not store.check([key]) or int(store.get(key).decode()) < state.seq:
+                        missing.append(r)
+                if store.check([f"{state.key}/failed/{r}"]):  # a group breaks once: same event
+                    survivors.add(r)
+        except Exception as exc:  # the store's host is gone (or unreachable)
+            store_error = _first_line(exc)
+            missing = []
+        deadline = time.monotonic() + (DEATH_GRACE if closed else 0.0)
+        while True:
+            status = {r: is_gone(state.peers[r]) for r in others}
+            now = time.monotonic()
+            seen = {r: first_gone.get(r, now) for r in others if status[r] and r not in survivors}
+            if seen or now >= deadline:
+                break
+            time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited
+        first = min(seen.values(), default=0.0)
+        gone = sorted(r for r, t in seen.items() if t <= first + FIRST_WINDOW)
+        alive = [r for r in others if status[r] is False]
+        return gone, missing, alive, store_error
+
+    def _mark(self, key: str, seq: int) -> None:
+        """Record in the job's store that this rank reached collective ``seq`` (or saw it fail).
 
         One key per rank, overwritten each time, so calling this every step stores nothing new.
         """
         try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"{marker}/{self.rank}", str(seq))
+            _store().set(key, str(seq))
         except Exception:
             pass
-
-    def _missing_ranks(self, marker: str, seq: int = 1) -> list[int]:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            missing = []
-            for r in range(self.world_size):
-                key = f"{marker}/{r}"
-                if not store.check([key]) or int(store.get(key).decode()) < seq:
-                    missing.append(r)
-            return missing
-        except Exception:
-            # The store lives on rank 0; if it is unreachable, rank 0 is the likely casualty.
-            return [0] if self.rank != 0 else []
 
     def _all_gather_json(self, payload: dict[str, Any], group: Any) -> list[dict[str, Any]]:
         data = json.dumps(payload, separators=(",", ":")).encode()
@@ -277,3 +397,14 @@ class Coordinator:
         return [
             json.loads(bytes(o[: int(n.item())].numpy()).decode()) for o, n in zip(outs, sizes, strict=True)
         ]
+
+
+def _store_address() -> str:
+    try:
+        store = _store()
+        inner = getattr(store, "underlying_store", store)
+        while hasattr(inner, "underlying_store"):
+            inner = inner.underlying_store
+        return f" at {inner.host}:{inner.port}"
+    except Exception:
+        return ""
