@@ -384,7 +384,7 @@ def test_convert_imports_bad_sources(capsys, paths, tmp_path):
     code, out, err = run(capsys, "convert", "memory://safeckpt-cli-errors/imported", tmp_path / "hf", "--to", "hf")
     assert code == 0, err
     code, _, err = run(capsys, "convert", tmp_path / "dcp_ok", paths["good"], "--from", "dcp")
-    assert code == 8 and err.count("\n") == 1
+    assert code == 8 and err.count("\n") == 1 and "--overwrite" in err
 
 
 # ----------------------------------------------------------------------------- real processes

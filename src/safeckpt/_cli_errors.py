@@ -65,7 +65,8 @@ def _os_error(exc: OSError) -> tuple[int, str]:
     if code == errno.EROFS:
         return EXIT_IO, f"error: read-only file system:{where}; write the output somewhere writable"
     if code in (errno.ENOSPC, errno.EDQUOT):
-        return EXIT_IO, f"error: no space left on the device (or quota exceeded) writing{where}; free some space"
+        return EXIT_IO, (f"error: no space left on the device (or quota exceeded) writing{where or ' the output'}; "
+                         "free some space")
     if code == errno.ELOOP:
         return EXIT_IO, f"error: symlink refused or symlink loop at{where}"
     if code in (errno.ENXIO, errno.EAGAIN) and name is not None:

@@ -152,9 +152,13 @@ def _check_parent(path: str) -> None:
         raise UsageError(f"cannot write {path}: {parent} is {_kind(st.st_mode)}, not a directory")
 
 
-def save_target(arg: str) -> str:
+def save_target(arg: str, overwrite: bool) -> str:
     """DST of an import: where :func:`safeckpt.save` writes, a local path or a URL."""
-    return _resolve(arg, "DST")
+    dst = _resolve(arg, "DST")
+    if not overwrite and not is_remote(dst) and os.path.lexists(dst):
+        raise CheckpointExists(f"{dst} already exists; pass --overwrite to replace it (only a safeckpt "
+                               "checkpoint is ever replaced)")
+    return dst
 
 
 def import_source(arg: str, fmt: str) -> str:

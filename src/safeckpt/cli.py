@@ -496,7 +496,7 @@ def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
         return 0
     if args.only is not None or args.max_shard_size is not None:
         raise UsageError("--only and --max-shard-size are for --to hf (exports)")
-    src, dst = import_source(args.src, args.from_), save_target(args.dst)
+    src, dst = import_source(args.src, args.from_), save_target(args.dst, args.overwrite)
     if args.from_ == "dcp":
         if args.no_weights_only:
             raise UsageError("--no-weights-only is for --from torch-save")
