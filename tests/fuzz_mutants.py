@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from tests.fuzz_bases import STEP_B
+from tests.fuzz_bases import STEP_A, STEP_B
 
 MANIFEST = "manifest.json"
 Path = tuple[Any, ...]
@@ -63,8 +63,6 @@ class BaseView:
 
     @classmethod
     def load(cls, name: str, root: str) -> BaseView:
-        from tests.fuzz_bases import STEP_A
-
         ckpt = os.path.join(root, STEP_B)
         raw = _read(os.path.join(ckpt, MANIFEST))
         man = json.loads(raw)
@@ -687,8 +685,10 @@ def g_nesting(rng: random.Random, v: BaseView) -> tuple[str, tuple[Any, ...], bo
 
 def g_huge(rng: random.Random, v: BaseView, huge: int) -> tuple[str, tuple[Any, ...], bool] | None:
     """A very large manifest, written by streaming (the fuzzer itself stays small)."""
-    kind = rng.choice(["ws", "string", "array", "records"])
+    kind = rng.choice(["ws", "string", "array", "records", "sparse"])
     raw = v.manifest_raw
+    if kind == "sparse":  # costs no disk: a hole of NULs after the JSON
+        return "manifest extended to 1 GiB with a sparse hole", (("truncate", MANIFEST, 1 << 30),), True
     if kind == "ws":
         return (f"{huge >> 20} MiB of whitespace before the closing brace",
                 (("splice", MANIFEST, raw[:-1], "ws", huge, b"}"),), False)
@@ -725,6 +725,8 @@ def g_data(rng: random.Random, v: BaseView, kind: str) -> tuple[str, tuple[Any, 
         n = rng.choice([0, 4, 8, rng.randrange(8, hl), hl, rng.randrange(hl, len(data)), len(data) - 1])
         return f"{name}: truncated to {n} of {len(data)} bytes", (("truncate", name, n),)
     if kind == "extend":
+        if rng.random() < 0.2:
+            return f"{name}: extended to 1 GiB with a sparse hole", (("truncate", name, 1 << 30),)
         extra = rng.choice([b"\x00", b"\x00" * 8, os.urandom(rng.randrange(1, 4096))])
         return f"{name}: {len(extra)} bytes appended", (("append", name, extra),)
     if kind == "header_len":
@@ -813,10 +815,19 @@ def g_dir(rng: random.Random, v: BaseView, kind: str) -> tuple[str, tuple[Any, .
             "fifo": (("rmtree", ckpt), ("fifo", ckpt)),
         }
         return f"the checkpoint directory replaced by {what}", ops[what]
+    if kind == "all_damaged":  # restore has nothing to fall back to: it must raise, not start fresh
+        older = f"@root/{STEP_A}/"
+        name = sorted(v.older_files)[0]
+        a = rng.choice([("xor", older + name, len(v.older_files[name]) - 1, 1),
+                        ("truncate", older + MANIFEST, 100), ("write", older + MANIFEST, b"{}"),
+                        ("remove", older + name)])
+        b = rng.choice([("xor", name, len(v.files[name]) - 1, 1), ("truncate", MANIFEST, 100),
+                        ("remove", MANIFEST), ("remove", name)])
+        return f"both checkpoints damaged: older {a[0]} {a[1].rsplit('/', 1)[1]}, newer {b[0]} {b[1]}", (a, b)
     raise ValueError(kind)
 
 
-DIR_KINDS = {"extra": 2, "missing": 1.5, "manifest_special": 2, "checkpoint_dir": 1}
+DIR_KINDS = {"extra": 2, "missing": 1.5, "manifest_special": 2, "checkpoint_dir": 1, "all_damaged": 1}
 
 
 # ------------------------------------------------------------------ the mutant stream

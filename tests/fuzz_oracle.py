@@ -3,7 +3,8 @@
 Mutants run in a worker process (:class:`Pool`) that applies each one to a fresh copy of its
 base root and calls, in order: ``verify(deep=True)``, ``verify(deep=False)``,
 ``read_state_dict``, strict ``load`` into a fresh state, ``CheckpointManager.restore`` on the
-root (which also holds the older, valid checkpoint) and ``CheckpointManager.list``. The parent
+root (which also holds the older, valid checkpoint), ``CheckpointManager.list`` and the CLI
+(``safeckpt verify``, ``inspect``, ``ls``: exit 70 or a traceback is a NON_CHECKPOINT_ERROR). The parent
 bounds each call: a worker that does not answer in time is killed and the mutant is a HANG (a
 FIFO blocking ``open`` forever is found this way, and the next mutant gets a new worker). An
 audit hook in the worker records every file opened during a call whose real path is outside
@@ -46,7 +47,8 @@ from tests.fuzz_mutants import Mutant, apply
 BAD = ("SILENT", "NON_CHECKPOINT_ERROR", "STATE_MODIFIED_ON_FAILURE", "VERIFY_OK_BUT_LOAD_FAILS",
        "RESTORE_NO_FALLBACK", "OUTSIDE_READ", "HANG", "MEMORY", "CRASH")
 GOOD = ("CAUGHT", "BENIGN", "FORGED_LOADED")
-CALLS = ("verify_deep", "verify_shallow", "read", "load", "restore", "list")
+CALLS = ("verify_deep", "verify_shallow", "read", "load", "restore", "list", "cli")
+CLI_INTERNAL = 70  # the CLI's exit code for an unexpected exception (a bug)
 MEMORY_MB = 200
 
 # ------------------------------------------------------------------ worker side
@@ -148,7 +150,7 @@ class Refs:
         return snapshot(state)
 
 
-def _call(name: str, ckpt: str, root: str, refs: Refs) -> dict[str, Any]:
+def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[str, Any]:
     """One reader on the damaged checkpoint; the result with what it loaded compared."""
     global _WATCH
     import safeckpt
@@ -156,7 +158,7 @@ def _call(name: str, ckpt: str, root: str, refs: Refs) -> dict[str, Any]:
     out: dict[str, Any] = {"ok": False}
     state = fresh_state() if name in ("load", "restore") else None
     before = snapshot(state) if state is not None else None
-    watched = ckpt if name not in ("restore", "list") else root
+    watched = ckpt if name not in ("restore", "list", "cli") else root
     _WATCH = (os.path.abspath(watched), os.path.realpath(watched))
     t0 = time.monotonic()
     try:
@@ -181,6 +183,8 @@ def _call(name: str, ckpt: str, root: str, refs: Refs) -> dict[str, Any]:
         elif name == "list":
             steps = [i.step for i in safeckpt.CheckpointManager(root, keep_last=None, preemption_signals=()).list()]
             out.update(ok=True, steps=steps)
+        elif name == "cli":
+            out.update(ok=True, cli=_cli(ckpt, root, progress))
     except Exception as exc:  # noqa: BLE001 - classified below
         out["exc"] = _describe(exc)
         if before is not None:
@@ -188,6 +192,25 @@ def _call(name: str, ckpt: str, root: str, refs: Refs) -> dict[str, Any]:
     finally:
         _WATCH = None
         out["secs"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def _cli(ckpt: str, root: str, progress: Any) -> dict[str, Any]:
+    """Exit code and output of ``safeckpt verify|inspect CKPT`` and ``ls ROOT``, in process."""
+    import contextlib
+    import io
+
+    from safeckpt import cli
+
+    out = {}
+    for argv in (["verify", ckpt], ["inspect", ckpt], ["ls", root]):
+        progress(f"cli {argv[0]}")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            code = cli.main(argv)
+        text = buf.getvalue()
+        out[argv[0]] = {"code": code, "traceback": "Traceback (most recent call last)" in text,
+                        "last": (text.strip().splitlines() or [""])[-1][:200]}
     return out
 
 
@@ -208,7 +231,7 @@ def run_mutant(m: Mutant, root: str, refs: Refs, scratch: str, progress: Any) ->
             for name in CALLS:
                 progress(name)
                 del _OUTSIDE[:]
-                calls[name] = _call(name, ckpt, ckpt_root, refs)
+                calls[name] = _call(name, ckpt, ckpt_root, refs, progress)
                 if _OUTSIDE:
                     outside[name] = sorted(set(_OUTSIDE))[:3]
         rss = _maxrss_mb() - rss0
@@ -245,6 +268,9 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         if c.get("modified"):
             add("STATE_MODIFIED_ON_FAILURE", f"{name} raised {exc['name'] if exc else '?'} "
                 f"({exc['msg'][:100] if exc else ''}) after changing {c['modified']}")
+    for cmd, res in calls["cli"].get("cli", {}).items():
+        if res["code"] == CLI_INTERNAL or res["traceback"]:
+            add("NON_CHECKPOINT_ERROR", f"cli: safeckpt {cmd}: exit {res['code']}: {res['last']} at cli")
     for name in ("verify_deep", "verify_shallow"):
         if calls[name].get("verified") and edited:
             add("SILENT", f"{name}: ok=True for an edited manifest")
@@ -318,6 +344,8 @@ def _call_text(c: dict[str, Any]) -> str:
         return f"step={c['step']}" + (f" diff {c['diff']}" if c.get("diff") else "")
     if "steps" in c:
         return f"steps={c['steps']}"
+    if "cli" in c:
+        return "; ".join(f"{k}: exit {v['code']} {v['last'][:70]!r}" for k, v in c["cli"].items())
     return "loaded" + (f", diff {c['diff']}" if c.get("diff") else " (equal)")
 
 
@@ -359,7 +387,17 @@ class Pool:
         self.conn: Any = None
         self.restarts = 0
 
-    def _start(self) -> None:
+    def _start(self, attempts: int = 6) -> None:
+        """Start a worker; retry a few times (src/ may be caught mid-edit by a worker's imports)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(10)
+
+    def _start_once(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env_threads = os.environ.get("OMP_NUM_THREADS")
@@ -376,7 +414,10 @@ class Pool:
         if not self.conn.poll(self.start_timeout):
             self._kill()
             raise RuntimeError("fuzz worker did not start")
-        kind, info = self.conn.recv()
+        try:
+            kind, info = self.conn.recv()
+        except (EOFError, OSError):
+            kind, info = "error", f"worker died at start (exit code {self.proc.exitcode})"
         if kind != "ready":
             self._kill()
             raise RuntimeError(f"fuzz worker failed to start:\n{info}")

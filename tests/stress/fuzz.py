@@ -46,7 +46,8 @@ def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
 
 def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 << 20,
              only: Iterable[int] | None = None, classes: list[str] | None = None,
-             call_timeout: float = 30.0, progress: Any = None) -> list[dict[str, Any]]:
+             call_timeout: float = 30.0, progress: Any = None, on_batch: Any = None,
+             batch: int = 250) -> list[dict[str, Any]]:
     """Generate and run mutants; one result dict per mutant (see fuzz_oracle.classify)."""
     views = {name: BaseView.load(name, root) for name, root in bases.items()}
     wanted = set(only) if only else None
@@ -58,6 +59,8 @@ def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 <<
             if wanted is not None and m.id not in wanted:
                 continue
             results.append(pool.run(m))
+            if on_batch and len(results) % batch == 0:
+                on_batch(results)
             if progress and len(results) % 100 == 0:
                 bad = sum(1 for r in results if r["bad"])
                 progress(f"{len(results)} mutants, {bad} bad, {time.monotonic() - t0:.0f}s, "
@@ -134,6 +137,14 @@ def _example(r: dict[str, Any], label: str) -> str:
     return "\n".join(lines)
 
 
+def _write(path: str, text: str) -> None:
+    """Replace ``path`` atomically (the lead reads the findings file while runs go on)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.stress.fuzz", description=__doc__.split("\n")[0])
     p.add_argument("--mutants", type=int, default=5000)
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="markdown table of outcomes by mutant class")
     p.add_argument("--findings", help="markdown list of bad outcomes with reproductions")
     p.add_argument("--json", help="every result as JSON")
+    p.add_argument("--preamble", help="markdown file put at the top of the findings (notes)")
     p.add_argument("--only", help="comma-separated mutant ids to rerun (same seed)")
     p.add_argument("--classes", help="comma-separated class prefixes (e.g. manifest.,data.fifo)")
     p.add_argument("--no-ddp", action="store_true", help="skip the 2-rank base (no processes spawned)")
@@ -154,21 +166,31 @@ def main(argv: list[str] | None = None) -> int:
     bases = make_bases(workdir, ddp=not args.no_ddp)
     only = [int(x) for x in args.only.split(",")] if args.only else None
     classes = args.classes.split(",") if args.classes else None
-    results = run_fuzz(bases, seed=args.seed, count=args.mutants, huge=args.huge_mb << 20, only=only,
-                       classes=classes, call_timeout=args.call_timeout,
-                       progress=lambda s: print(s, file=sys.stderr, flush=True))
-    elapsed = time.monotonic() - t0
     cmd = "python -m tests.stress.fuzz " + " ".join(argv if argv is not None else sys.argv[1:])
-    head = (f"Fuzz: {len(results)} mutants, seed {args.seed}, bases {', '.join(bases)}, "
-            f"{elapsed:.0f}s. Command: `{cmd}`\n")
+    notes = ""
+    if args.preamble:
+        with open(args.preamble) as f:
+            notes = f.read().rstrip() + "\n\n"
+
+    def header(results: list[dict[str, Any]], note: str = "") -> str:
+        return (f"Fuzz: {len(results)} mutants{note}, seed {args.seed}, bases {', '.join(bases)}, "
+                f"{time.monotonic() - t0:.0f}s. Command: `{cmd}`. Rerun one: add `--only ID`.\n")
+
+    def partial(results: list[dict[str, Any]]) -> None:
+        if args.findings:
+            _write(args.findings, findings(results, header="# Fuzz findings\n\n" + notes + header(
+                results, f" (run in progress, of {args.mutants})")))
+
+    results = run_fuzz(bases, seed=args.seed, count=args.mutants, huge=args.huge_mb << 20, only=only,
+                       classes=classes, call_timeout=args.call_timeout, on_batch=partial,
+                       progress=lambda s: print(s, file=sys.stderr, flush=True))
+    head = header(results)
     text = head + "\n" + table(results) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        _write(args.out, text)
     if args.findings:
-        with open(args.findings, "w") as f:
-            f.write(findings(results, header=f"# Fuzz findings\n\n{head}"))
+        _write(args.findings, findings(results, header=f"# Fuzz findings\n\n{notes}{head}"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
