@@ -130,7 +130,13 @@ def open_regular(path: str, ckpt_dir: str) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=ckpt_dir) from None
-        raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=ckpt_dir) from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            # Not damage: the checkpoint may be fine, so no fallback to an older one.
+            raise CheckpointError(
+                f"cannot read {path}: permission denied (run as a user who can read the "
+                "checkpoint, or fix its permissions)"
+            ) from exc
+        raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=ckpt_dir) from exc
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -176,19 +182,27 @@ def check_manifest_size(size: int, where: str, ckpt_dir: str) -> None:
         )
 
 
+def _canonical(man: dict[str, Any]) -> str:
+    """The manifest without its checksum field as canonical JSON (sorted keys, compact, ASCII)."""
+    body = {k: v for k, v in man.items() if k != CHECKSUM_FIELD}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+
+
 def manifest_digest(man: dict[str, Any]) -> str:
     """xxh3-128 of the canonical JSON of a manifest without its own checksum field."""
-    body = {k: v for k, v in man.items() if k != CHECKSUM_FIELD}
-    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
-    return xxhash.xxh3_128_hexdigest(canon.encode())
+    return xxhash.xxh3_128_hexdigest(_canonical(man).encode())
 
 
 def encode_manifest(man: dict[str, Any]) -> bytes:
-    """The bytes of ``manifest.json``: the manifest plus a checksum over its parsed content, so
-    an edit of any value is detected (whitespace and key order do not matter)."""
-    body = json.loads(json.dumps(man, allow_nan=True))  # exactly what a reader will parse
-    body[CHECKSUM_FIELD] = manifest_digest(body)
-    raw = json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+    """The bytes of ``manifest.json``: the manifest in canonical form plus a checksum over it,
+    so an edit of any value is detected (whitespace and key order do not matter).
+
+    ``man`` must hold only what JSON round-trips (dicts with string keys, lists, str, int,
+    float, bool, None): the save path builds it so. A reader parses the file and checks the
+    digest of the canonical form of what it parsed."""
+    canon = _canonical(man)
+    digest = xxhash.xxh3_128_hexdigest(canon.encode())
+    raw = (canon[:-1] + f',"{CHECKSUM_FIELD}":"{digest}"}}').encode()
     if len(raw) > max_manifest_bytes():
         raise CheckpointError(
             f"the manifest of this checkpoint would have {len(raw)} bytes, more than readers "

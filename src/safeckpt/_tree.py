@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._manifest import dtype_code
 from .errors import CheckpointError
 
 SEP = "/"
@@ -38,6 +39,8 @@ _ESCAPES = (("%", "%25"), ("/", "%2F"), ("@", "%40"))
 def escape_key(component: str) -> str:
     """One path component of a tensor key, with the characters that have a meaning in keys
     (``/`` separates components, ``@`` marks pieces in data files) escaped."""
+    if "%" not in component and "/" not in component and "@" not in component:
+        return component  # the common case, kept cheap: saves escape every key component
     for raw, esc in _ESCAPES:
         component = component.replace(raw, esc)
     return component
@@ -65,6 +68,16 @@ class Leaf:
     key: str
     tensor: torch.Tensor
     scope: str  # "replicated" | "per_rank" | "sharded"
+    # Computed once: a save looks at each of these several times, and for states of thousands
+    # of tensors torch attribute access is a large part of the time save() blocks.
+    shape: list[int] = field(init=False)
+    dtype: str = field(init=False)  # safetensors code
+    itemsize: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = list(self.tensor.shape)
+        self.dtype = dtype_code(self.tensor.dtype)
+        self.itemsize = self.tensor.element_size()
 
 
 @dataclass
@@ -195,44 +208,44 @@ def encode_object(name: str, value: Any, leaves: list[Leaf],
     """
     kind = kind_of(value)
     per_rank = bool(getattr(value, PER_RANK_ATTR, False))
-    tree = _encode(state_dict_of(kind, value, param_names), [name], leaves, per_rank)
+    tree = _encode(state_dict_of(kind, value, param_names), escape_key(name), leaves, per_rank)
     return EncodedObject(name, kind, tree)
 
 
-def _encode(value: Any, path: list[str], leaves: list[Leaf], per_rank: bool) -> Any:
+def _encode(value: Any, key: str, leaves: list[Leaf], per_rank: bool) -> Any:
+    """``key``: the escaped path of ``value`` (its tensor key, if it is a tensor)."""
     if isinstance(value, torch.Tensor):
-        key = join_key(path)
         per_rank = per_rank or bool(getattr(value, PER_RANK_ATTR, False))
         scope = "sharded" if is_dtensor(value) else ("per_rank" if per_rank else "replicated")
-        leaves.append(Leaf(key, value.detach(), scope))
+        leaves.append(Leaf(key, value.detach() if value.requires_grad else value, scope))
         return {"@tensor": key}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("@") for k in value):
-            return {k: _encode(v, [*path, k], leaves, per_rank) for k, v in value.items()}
+            return {k: _encode(v, f"{key}{SEP}{escape_key(k)}", leaves, per_rank) for k, v in value.items()}
         items = []
         for k, v in value.items():
             if not isinstance(k, (str, int, float, bool)) and k is not None:
-                raise _unsupported(k, path, "dict key")
-            items.append([k, _encode(v, [*path, str(k)], leaves, per_rank)])
+                raise _unsupported(k, key, "dict key")
+            items.append([k, _encode(v, f"{key}{SEP}{escape_key(str(k))}", leaves, per_rank)])
         return {"@dict": items}
     if isinstance(value, tuple):  # includes torch.Size and namedtuples (restored as tuples)
-        return {"@tuple": [_encode(v, [*path, str(i)], leaves, per_rank) for i, v in enumerate(value)]}
+        return {"@tuple": [_encode(v, f"{key}{SEP}{i}", leaves, per_rank) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_encode(v, [*path, str(i)], leaves, per_rank) for i, v in enumerate(value)]
+        return [_encode(v, f"{key}{SEP}{i}", leaves, per_rank) for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {"@float": repr(value)}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():
-        return _encode(value.item(), path, leaves, per_rank)  # numpy scalar
+        return _encode(value.item(), key, leaves, per_rank)  # numpy scalar
     if type(value).__module__ == "numpy" and hasattr(value, "shape"):
-        return _encode(torch.from_numpy(value.copy()), path, leaves, per_rank)
-    raise _unsupported(value, path, "value")
+        return _encode(torch.from_numpy(value.copy()), key, leaves, per_rank)
+    raise _unsupported(value, key, "value")
 
 
-def _unsupported(value: Any, path: list[str], what: str) -> CheckpointError:
+def _unsupported(value: Any, key: str, what: str) -> CheckpointError:
     return CheckpointError(
-        f"cannot checkpoint {what} of type {type(value).__name__} at {join_key(path)!r} without "
+        f"cannot checkpoint {what} of type {type(value).__name__} at {key!r} without "
         "pickle. Store tensors, JSON values (numbers, strings, bools, None, lists, dicts), or "
         "an object with state_dict()/load_state_dict() that returns those."
     )
