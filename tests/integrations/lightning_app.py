@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-N_TRAIN, N_VAL, BATCH = 48, 16, 4  # per process: 6 batches per epoch with 2 ranks
+N_TRAIN, N_VAL, BATCH = 24, 8, 4  # per rank with 2 ranks: 6 training batches per epoch
 
 
 def dataset(n: int, seed: int) -> TensorDataset:

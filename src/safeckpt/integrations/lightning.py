@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -52,7 +53,7 @@ import safeckpt
 
 # Internal safeckpt helpers used here (one place, so a rename breaks one import):
 # the coordinator for agreed decisions, the manifest reader, and atomic removal.
-from safeckpt._catalog import Entry, remove_entry
+from safeckpt._catalog import Entry, leftovers, remove_entry
 from safeckpt._dist import Coordinator
 from safeckpt._reader import open_manifest
 from safeckpt._storage import is_remote
@@ -435,6 +436,7 @@ def _pick(requested: str, sources: Mapping[str, Any], last: bool) -> dict[str, A
     """Coordinator: candidates (path, entries, world size) newest first, plus warnings."""
     if not last:
         return {"candidates": [_describe(requested, open_manifest(requested))], "notes": []}
+    _sweep(sources)
     found: list[tuple[float, int, dict[str, Any]]] = []
     notes: list[str] = []
     damaged: list[str] = []
@@ -466,6 +468,14 @@ def _pick(requested: str, sources: Mapping[str, Any], last: bool) -> dict[str, A
         )
     found.sort(key=lambda f: (f[0], f[1]), reverse=True)
     return {"candidates": [f[2] for f in found], "notes": notes}
+
+
+def _sweep(sources: Mapping[str, Any]) -> None:
+    """Delete what killed saves left in the checkpoint directories (hidden staging and trash
+    directories); at resume nothing of this job is being saved."""
+    for d in sources["dirs"]:
+        for entry in leftovers(d):
+            remove_entry(entry)
 
 
 def _listed(sources: Mapping[str, Any]) -> set[str]:
@@ -535,8 +545,7 @@ class SafeckptPreemption(Callback):
         self.flag = True
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        import threading
-
+        self.flag = False
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("SafeckptPreemption: not in the main thread, signals are not watched",
                           SafeckptWarning, stacklevel=2)
