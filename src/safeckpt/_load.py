@@ -86,6 +86,20 @@ def load(
     return CheckpointInfo.from_manifest(target, manifest, skipped=tuple(job.skipped))
 
 
+NO_COPY = object()  # this rank has no saved copy of a per-rank entry (it keeps its state)
+
+
+def _roll_back(state: MutableMapping[str, Any], backups: dict[str, Any], names: list[str]) -> bool:
+    """Give each named object its backed-up state again; False if any refused."""
+    ok = True
+    for name in names:
+        try:
+            state[name].load_state_dict(backups[name])
+        except Exception:  # noqa: BLE001 - best effort; reported by the caller
+            ok = False
+    return ok
+
+
 class _LoadJob:
     def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
                  strict: bool, rank: int, verify: bool, world_size: int = 1) -> None:
@@ -102,7 +116,8 @@ class _LoadJob:
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
 
-    def _tree_for(self, name: str, value: Any) -> Any | None:
+    def _tree_for(self, name: str, value: Any) -> Any:
+        """The saved tree to load into ``value``, or NO_COPY when this rank has none."""
         obj = self.man["objects"][name]
         saved_world = int(self.man.get("world_size", 1))
         per_rank = bool(getattr(value, PER_RANK_ATTR, False)) or any(
@@ -115,7 +130,7 @@ class _LoadJob:
                 f"{name!r} is per-rank state saved by {saved_world} rank(s); rank {self.rank} has "
                 "no saved copy and keeps its current state.", SafeckptWarning, stacklevel=4,
             )
-            return None
+            return NO_COPY
         if per_rank and saved_world != self.world_size and self.rank == 0:
             rule = f"rank r restores the state saved by rank r (r < {min(saved_world, self.world_size)})"
             if self.world_size > saved_world:
@@ -139,7 +154,7 @@ class _LoadJob:
                 problems.append(f"missing entry {name!r} (in state, not in the checkpoint)")
                 continue
             tree = self._tree_for(name, value)
-            if tree is None:
+            if tree is NO_COPY:
                 continue
             self.trees[name] = tree
             kind = kind_of(value)
@@ -209,14 +224,24 @@ class _LoadJob:
                 self.reader.check_box(key, local_box(leaf.tensor))
 
     def apply(self) -> None:
-        """Hand stateful objects their state, then copy verified chunks into place."""
+        """Hand stateful objects their state, then copy verified chunks into place.
+
+        A stateful object's ``load_state_dict`` is the one step that can still fail (it may
+        reject state that is well-formed but not what it expects). If it does, the objects
+        already loaded get their previous ``state_dict()`` back, so the state is unchanged."""
+        backups = {name: self.state[name].state_dict() for name in self.loaded}
+        done: list[str] = []
         for name, sd in self.loaded.items():
             try:
                 self.state[name].load_state_dict(sd)
+                done.append(name)
             except Exception as exc:
+                restored = _roll_back(self.state, backups, [*done, name])
                 raise IncompatibleCheckpoint(
                     f"{name!r}.load_state_dict rejected the checkpoint's state: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {exc}. "
+                    + ("The state is unchanged." if restored else
+                       "Restoring the objects loaded before it failed: the state is partly loaded.")
                 ) from exc
         for name, tree in self.trees.items():
             value = self.state[name]
