@@ -256,3 +256,36 @@ def test_per_rank_plain_tensor_is_refused_or_kept_per_rank(tmp_path):
         assert v["restored"] == [100 + o.rank, 7]
         assert not v["damaged"]["ok"] and "CorruptCheckpoint" in v["damaged"]["mro"], v["damaged"]
         assert v["after_damaged"] == [-1, -1]
+
+
+def _ddp_batchnorm(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)  # each rank its own batch: BatchNorm running stats diverge
+    model(torch.randn(16, 8)).sum().backward()
+    opt.step()
+    mean = net[1].running_mean.clone()
+    out = {"differs": None}
+    gathered = [torch.zeros(8) for _ in range(world)]
+    torch.distributed.all_gather(gathered, mean)
+    out["differs"] = not torch.equal(gathered[0], gathered[1])
+    safeckpt.save(f"{root}/bn", {"model": model, "optim": opt})
+    saved = safeckpt.read_state_dict(f"{root}/bn")["model/1.running_mean"]
+    out["saved_is_rank0s"] = torch.equal(saved, gathered[0])
+    # broadcast_buffers=False: each rank keeps its own stats; saving them once would lose the
+    # others', so the replica check refuses and says how to keep them.
+    own = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+    res = dist_harness.attempt(lambda: safeckpt.save(f"{root}/own", {"model": own}))
+    out["own"] = [res["ok"], res.get("type"), "running_mean" in res.get("msg", "")]
+    return out
+
+
+def test_ddp_batchnorm_buffers_come_from_rank0(tmp_path):
+    outs = dist_harness.run(_ddp_batchnorm, 2, str(tmp_path), timeout=120)
+    for o in outs:
+        assert o.ok, o.message
+        assert o.value["differs"] is True  # the scenario is real
+        assert o.value["saved_is_rank0s"] is True
+        assert o.value["own"] == [False, "RankMismatch", True]
