@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 
-from .._commit import remove_tree
+from .. import read_state_dict
 from .._convert import consolidate, export_hf
-from .._offline import read_state_dict
 from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound
 from . import _deepspeed_codec as codec
-from ._deepspeed_tags import INDEX, pick, read_index, save_local
+from ._deepspeed_tags import INDEX, pick, read_index, remove_tree, save_local
 
 
 def tag_dir_of(src: str | os.PathLike[str], tag: str | None = None) -> str:
@@ -108,7 +107,14 @@ def get_fp32_state_dict(
             world, flat_groups, model_states, exclude_frozen_parameters, first.get(PARAM_ALIGNMENT_PADDINGS))
     else:
         sd = z2f._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, exclude_frozen_parameters)
-    return z2f.to_torch_tensor(sd)
+    sd = z2f.to_torch_tensor(sd)
+    if stage == 1 and not exclude_frozen_parameters:
+        # ZeRO-1 records no frozen parameters (zero_to_fp32 drops them); its model states
+        # hold every parameter in full, so take those from there, in fp32.
+        for k, v in _read(tag_dir, model_files[0])["module"].items():
+            if k not in sd:
+                sd[k] = v.float() if v.is_floating_point() else v
+    return sd
 
 
 def export(

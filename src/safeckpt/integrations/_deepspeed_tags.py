@@ -26,21 +26,27 @@ import json
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import xxhash
 
-from .. import __version__
-from .._catalog import leftovers, remove_entry
-from .._commit import fsync_dir, write_bytes_atomic
-from .._dist import Coordinator, resolve_timeout
-from .._manifest import safe_file_path
-from .._offline import verify
-from .._save import new_job
-from .._storage import resolve
+from .. import __version__, verify
 from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
+
+# safeckpt internals the DeepSpeed integration builds on, imported in this one place only (so
+# a refactor of them breaks one import block): the coordinator and one-process saves, the
+# POSIX commit primitives, leftover sweeping, name checks and file hashing.
+from .._catalog import leftovers, remove_entry  # isort: skip
+from .._dist import Coordinator, resolve_timeout  # isort: skip
+from .._manifest import safe_file_path, staging_name  # isort: skip
+from .._save import new_job  # isort: skip
+from .._shardfile import hash_file  # isort: skip
+from .._storage import resolve  # isort: skip
+from .._storage_posix import fsync_dir, rename_publish, write_bytes_atomic  # isort: skip
+from .._storage_posix import remove_tree as remove_tree  # isort: skip  (re-exported)
 
 INDEX = "safeckpt-deepspeed.json"
 FORMAT = "safeckpt-deepspeed"
@@ -93,6 +99,21 @@ def save_local(path: str, state: dict[str, Any], *, metadata: dict[str, Any], ti
     target = resolve(path)
     job = new_job(_ThisProcess(timeout, f"save of {target}"), target, state, metadata, False, None, None, "off")
     job.run()
+
+
+def new_staging(final: str) -> str:
+    """A fresh hidden staging directory next to ``final`` (coordinator)."""
+    parent, name = os.path.split(os.path.normpath(final))
+    staging = os.path.join(parent, staging_name(name, uuid.uuid4().hex[:12]))
+    os.mkdir(staging)
+    fsync_dir(parent)
+    return staging
+
+
+def publish_tag(staging: str, final: str) -> None:
+    """Make ``staging`` visible as ``final`` in one rename; an existing tag of that name is
+    swapped out in the same step (``renameat2(RENAME_EXCHANGE)``), then deleted."""
+    rename_publish(staging, final, replace=True)
 
 
 def sweep(save_dir: str) -> None:
@@ -217,8 +238,6 @@ def tag_problems(tag_dir: str, index: dict[str, Any]) -> list[str]:
 def check_offload(tag_dir: str, rank_dir: str, files: dict[str, Any]) -> None:
     """Deep-check one rank's NVMe offload files against their checksums before DeepSpeed
     copies them back into the swap folder."""
-    from .._shardfile import hash_file
-
     for rel, rec in sorted(files.items()):
         path = os.path.join(tag_dir, OFFLOAD_DIR, rank_dir, rel)
         size, digest = hash_file(path)

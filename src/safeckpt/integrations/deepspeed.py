@@ -58,10 +58,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from .._commit import new_staging_dir, publish, remove_tree
-from .._dist import Coordinator
-from .._offline import read_state_dict
-from .._storage import resolve
+from .. import read_state_dict
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -73,15 +70,20 @@ from . import _deepspeed_codec as codec
 from ._deepspeed_export import export, get_fp32_state_dict
 from ._deepspeed_tags import (
     OFFLOAD_DIR,
+    Coordinator,
     TagInfo,
     check_offload,
     check_tag,
     copy_offload,
     list_tags,
     new_index,
+    new_staging,
     next_seq,
     pick,
+    publish_tag,
     read_index,
+    remove_tree,
+    resolve,
     save_local,
     sweep,
     tag_problems,
@@ -161,7 +163,7 @@ class SafeckptCheckpointEngine(CheckpointEngine):
             final = os.path.join(save_dir, tag)
             if os.path.lexists(final) and not os.path.isdir(final):
                 raise CheckpointError(f"{final} exists and is not a directory; move it away")
-            return new_staging_dir(final)
+            return new_staging(final)
 
         staging = coord.run("stage", stage, hint="Nothing was written.")[0]
         self._save = _Save(coord, save_dir, tag, staging, latest, engine_info)
@@ -262,7 +264,7 @@ def _publish(s: _Save, reports: list[dict[str, Any]]) -> None:
     index = new_index(tag=s.tag, seq=next_seq(s.save_dir), latest=s.latest, world_size=s.coord.world_size,
                       files=files, offload=offload, engine_info=s.engine_info)
     write_index(s.staging, index)
-    publish(s.staging, s.final, replace=True)
+    publish_tag(s.staging, s.final)
     if s.latest:
         write_latest(s.save_dir, s.tag)
 
@@ -300,7 +302,7 @@ def _save_plain(state_dict: Any, path: str) -> None:
         )
     from safetensors.torch import save_file
 
-    from .._commit import fsync_dir
+    from ._deepspeed_tags import fsync_dir
 
     seen: set[int] = set()
     tensors = {}
@@ -561,7 +563,7 @@ def _load_stock(engine: Any, load_dir: str, tag: str | None, **kwargs: Any) -> t
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
     ce = engine.checkpoint_engine
-    engine.checkpoint_engine = TorchCheckpointEngine()
+    engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
     try:
         return type(engine).load_checkpoint(engine, load_dir, tag=tag, **kwargs)
     finally:
