@@ -226,6 +226,8 @@ def test_kill_9_mid_save_keeps_previous_checkpoint_loadable(tmp_path):
 
 
 # --------------------------------------------------------------------------- SIGTERM to one rank
+# DDP with BatchNorm: saved right after a training step, when each rank's BatchNorm statistics
+# are its own until DDP's next forward; the strategy takes rank 0's first (as that forward would).
 
 
 def _preempted(rank: int, world: int, root: str) -> dict:
@@ -261,11 +263,11 @@ def _preempted(rank: int, world: int, root: str) -> dict:
     run_root = os.path.join(root, "run")
     pre = Preemption()
     try:
-        _run(run_root, "fsdp2", world, 3, callbacks=[pre, SignalRank1()])
+        _run(run_root, "ddp", world, 3, callbacks=[pre, SignalRank1()])
         raise AssertionError("training was not stopped")
     except SIGTERMException:  # a SystemExit: what a preempted script ends with
         pass
-    _, trainer = _run(run_root, "fsdp2", world, 3, resume_seed=9, ckpt_path="last",
+    _, trainer = _run(run_root, "ddp", world, 3, resume_seed=9, ckpt_path="last",
                       callbacks=[sl.SafeckptPreemption(), Restored()])
     return {
         "saved_path": pre.saved_path,
@@ -289,7 +291,8 @@ def test_sigterm_on_one_rank_every_rank_saves_the_same_step_and_stops(tmp_path):
         v = o.value
         assert v["saved_path"] == path and v["saved_step"] == 9, v
         assert v["resumed_from"] == path and v["restored_step"] == 9
-        assert v["diff"] == [], v["diff"]  # sharded model + optimizer + RNG exactly as saved
+        # Model (BatchNorm statistics of this very step included) + optimizer + RNG as saved.
+        assert v["diff"] == [], v["diff"]
         assert v["final_step"] == 18
     report = safeckpt.verify(path)
     assert report.ok and report.step == 9
