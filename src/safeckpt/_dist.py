@@ -16,9 +16,11 @@ Design:
 - Payloads travel as JSON inside uint8 tensors, never pickle: a load path never unpickles.
 - When the transport itself fails (a peer died or timed out), the error says what this rank saw
   (connection closed after N s, or no answer within the timeout) and which rank failed: a peer
-  whose process is gone (checked by pid where comparable), else the ranks whose arrival marker
-  in the job's store is missing. After that the group is poisoned (gloo cannot recover it) and
-  later calls fail at once instead of hanging.
+  whose process is gone (checked by pid where comparable) and that did not see the failure
+  itself (survivors leave a marker), else the ranks whose arrival marker in the job's store is
+  missing; never a guess. A phase whose coordinator part may have completed (the commit's
+  publish) says whether it did, or that this is unknown. After that the group is poisoned
+  (gloo cannot recover it) and later calls fail at once instead of hanging.
 
 With no process group initialised everything degrades to a single process.
 """
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._liveness import DEATH_WATCH, is_gone, self_record
+from ._liveness import is_gone, mark_survivor, self_record, survivor_note
 from .errors import PORTABLE_ERRORS, CheckpointError, RankFailure
 
 DEFAULT_TIMEOUT = 600.0
@@ -47,7 +49,6 @@ CONNECT_SHARE = 6  # group connect timeout = timeout / 6: gloo's connect may wai
 SETUP_HINT = "Nothing was saved or loaded by this call; committed checkpoints are intact."
 DEFAULT_HINT = "Checkpoints committed before this call are intact."
 DEATH_GRACE = 1.0  # seconds to wait for a peer whose socket closed to show up as exited
-FIRST_WINDOW = 0.1  # peers seen gone within this of the first one count as having failed together
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -73,6 +74,12 @@ class _GroupState:
         self.peers: list[dict[str, Any] | None] = [None] * world_size
         self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
+
+    @property
+    def token(self) -> str:
+        """Names this group in this job on every rank (for survivor notes), once known."""
+        first = self.peers[0]
+        return f"{first['nonce']}-{self.key.rsplit('-', 1)[-1]}" if first and first.get("nonce") else ""
 
 
 _GROUPS: dict[tuple[int, float, str], tuple[weakref.ref, _GroupState]] = {}
@@ -173,27 +180,27 @@ class Coordinator:
         # Cached at once: a failed creation poisons this group, so later calls fail fast.
         _GROUPS[(id(default_pg), self.timeout, purpose)] = (weakref.ref(default_pg), state)
         started = time.monotonic()
-        first_gone: dict[int, float] = {}
         try:
             keys = [f"{state.key}/peer/{r}" for r in range(self.world_size)]
             store = _store()
             store.set(keys[self.rank], json.dumps(self_record()))
             store.wait(keys, timedelta(seconds=self.timeout))
             state.peers = [json.loads(store.get(k)) for k in keys]
-            with DEATH_WATCH.watching(state.peers) as watch:
-                first_gone = watch.first_gone
-                state.group = _new_gloo_group(self.timeout)
+            state.group = _new_gloo_group(self.timeout)
         except Exception as exc:  # a peer absent, dead, or the store gone
-            raise self._lost_peers(state, "setup", SETUP_HINT, exc, started, first_gone) from exc
+            raise self._lost_peers(state, "setup", SETUP_HINT, exc, started) from exc
         return state
 
     # ------------------------------------------------------------------ phases
-    def run(self, phase: str, fn: Callable[[], Any], *, hint: str = "") -> list[Any]:
+    def run(self, phase: str, fn: Callable[[], Any], *, hint: str = "", done_hint: str = "") -> list[Any]:
         """Run ``fn`` locally, exchange outcomes, and return every rank's value (by rank).
 
         If ``fn`` raised on any rank, every rank raises the same error: the portable
         CheckpointError type when all failing ranks agree on it, else ``RankFailure``.
         ``hint`` (what the failure means for the checkpoint) ends every error message.
+        ``done_hint`` replaces it when the coordinator's own part of the phase completed (the
+        commit: it published) though the phase failed; when a peer was lost and whether the
+        coordinator completed is unknown, the message says so and gives both.
         """
         local_exc: BaseException | None = None
         try:
@@ -204,8 +211,10 @@ class Coordinator:
         if self.world_size == 1:
             results = [payload]
         else:
-            results = self._exchange(phase, payload, hint)
+            results = self._exchange(phase, payload, hint, done_hint)
         failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
+        if done_hint and results[0]["ok"]:
+            hint = done_hint
         if failures and self.world_size == 1:
             if isinstance(local_exc, CheckpointError):
                 raise local_exc
@@ -247,10 +256,13 @@ class Coordinator:
         self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), "")
         return bool(t.item())
 
-    def _exchange(self, phase: str, payload: dict[str, Any], hint: str) -> list[dict[str, Any]]:
-        return self._transport(phase, lambda group: self._all_gather_json(payload, group), hint)
+    def _exchange(self, phase: str, payload: dict[str, Any], hint: str, done_hint: str) -> list[dict[str, Any]]:
+        done = bool(done_hint) and self.is_coordinator and payload["ok"]
+        return self._transport(phase, lambda group: self._all_gather_json(payload, group), hint,
+                               done_hint, done)
 
-    def _transport(self, phase: str, op: Callable[[Any], Any], hint: str) -> Any:
+    def _transport(self, phase: str, op: Callable[[Any], Any], hint: str, done_hint: str = "",
+                   done: bool = False) -> Any:
         state = self._state
         assert state is not None
         if state.broken:
@@ -259,17 +271,20 @@ class Coordinator:
                 f"({state.broken}). Restart the job. {hint or DEFAULT_HINT}",
             )
         state.seq += 1
+        if done:  # before the exchange: a peer that loses us can still learn we completed
+            self._mark(f"{state.key}/done/{state.seq}", 1)
         self._mark(f"{state.key}/arrived/{self.rank}", state.seq)
         started = time.monotonic()
-        with DEATH_WATCH.watching(state.peers) as watch:
-            try:
-                return op(state.group)
-            except Exception as exc:  # transport failure: dead, hung or absent peer
-                raise self._lost_peers(state, phase, hint, exc, started, watch.first_gone) from exc
+        try:
+            return op(state.group)
+        except Exception as exc:  # transport failure: dead, hung or absent peer
+            if done_hint:
+                hint = self._settle_hint(state, phase, hint, done_hint, done, started)
+            raise self._lost_peers(state, phase, hint, exc, started, done) from exc
 
     # -------------------------------------------------------------- diagnosis
     def _lost_peers(self, state: _GroupState, phase: str, hint: str, exc: BaseException,
-                    started: float, first_gone: dict[int, float]) -> RankFailure:
+                    started: float, done: bool = False) -> RankFailure:
         """The RankFailure for a transport failure: what this rank saw, and who failed."""
         elapsed = time.monotonic() - started
         raw = _first_line(exc)
@@ -287,9 +302,12 @@ class Coordinator:
             seen = f"no answer within the {self.timeout:g}s timeout, waited {elapsed:.1f}s"
         else:
             seen = f"{raw} (after {elapsed:.1f}s)"
-        # Tell the others (through the store) that this rank saw the failure: it is a survivor.
+        # Tell the others that this rank saw the failure (it is a survivor): in the store, and
+        # on this host for when the store went with rank 0.
         self._mark(f"{state.key}/failed/{self.rank}", state.seq)
-        gone, missing, alive, store_error = self._diagnose(state, closed, first_gone)
+        if state.token:
+            mark_survivor(state.token, self.rank, {"seq": state.seq, "done": done})
+        gone, missing, alive, store_error = self._diagnose(state, closed)
         tail = hint or (SETUP_HINT if phase == "setup" else DEFAULT_HINT)
         n = self.world_size
         if gone:
@@ -329,14 +347,40 @@ class Coordinator:
         state.broken = f"{phase!r}: {who}{seen}"
         return RankFailure(text, failures)
 
-    def _diagnose(self, state: _GroupState, closed: bool,
-                  first_gone: dict[int, float]) -> tuple[list[int], list[int], list[int], str]:
-        """(ranks whose process went first and did not see the failure themselves, ranks that
-        did not reach the failed collective, ranks known to be alive, the store's error if any).
+    def _settle_hint(self, state: _GroupState, phase: str, hint: str, done_hint: str, done: bool,
+                     started: float) -> str:
+        """Which hint is true after losing a peer in a phase whose coordinator part may have
+        completed: wait (bounded) until the coordinator marked it done, reported the failure
+        without completing, or is gone."""
+        if self.is_coordinator:
+            return done_hint if done else hint
+        done_key, failed_key = f"{state.key}/done/{state.seq}", f"{state.key}/failed/0"
+        deadline = started + self.timeout
+        store: Any = _store()
+        while True:
+            if store is not None:
+                try:
+                    if store.check([done_key]):
+                        return done_hint
+                    if store.check([failed_key]):
+                        return hint  # it saw the failure, and had not completed its part
+                except Exception:  # the store went with rank 0: its note on this host may tell
+                    store = None
+            note = survivor_note(state.token, 0) if state.token else None
+            if note is not None and note.get("seq") == state.seq:
+                return done_hint if note.get("done") else hint
+            if is_gone(state.peers[0]) or time.monotonic() > deadline:
+                break  # rank 0 itself died: it may have completed just before
+            time.sleep(0.02)
+        return (f"Whether rank 0 completed {phase!r} before contact was lost is unknown here. "
+                f"If it did: {done_hint} If not: {hint}")
 
-        A survivor that saw the failure, raised and exited may look gone too: it left a
-        "failed" marker in the store, and (if the store went with rank 0) it was seen gone
-        later than the rank that failed first (``first_gone``, noted while this rank waited).
+    def _diagnose(self, state: _GroupState, closed: bool) -> tuple[list[int], list[int], list[int], str]:
+        """(ranks whose process is gone and did not see the failure themselves, ranks that did
+        not reach the failed collective, ranks known to be alive, the store's error if any).
+
+        A survivor that saw the failure, raised and exited looks gone too; it left a "failed"
+        marker in the store and, for when the store went with rank 0, a note on its host.
         """
         others = [r for r in range(self.world_size) if r != self.rank]
         store_error = ""
@@ -363,13 +407,11 @@ class Coordinator:
         deadline = time.monotonic() + (DEATH_GRACE if closed else 0.0)
         while True:
             status = {r: is_gone(state.peers[r]) for r in others}
-            now = time.monotonic()
-            seen = {r: first_gone.get(r, now) for r in others if status[r] and r not in survivors}
-            if seen or now >= deadline:
+            gone = [r for r in others if status[r] and r not in survivors
+                    and not (state.token and survivor_note(state.token, r))]
+            if gone or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited
-        first = min(seen.values(), default=0.0)
-        gone = sorted(r for r, t in seen.items() if t <= first + FIRST_WINDOW)
         alive = [r for r in others if status[r] is False]
         return gone, missing, alive, store_error
 

@@ -1,22 +1,26 @@
-"""Is a peer rank's process still alive? Used only to name the rank that failed.
+"""Is a peer rank's process still alive, and did it see the failure itself? Used only to name
+the rank that failed, and to tell what the coordinator had done.
 
 When a collective breaks, gloo says "connection closed by peer" but not which rank, and the
 arrival markers in the job's store are gone if the store's host (rank 0 when torchrun's agent
-does not host it) is the one that died. So every rank publishes a small record of itself when
+does not host it) has exited. So every rank publishes a small record of itself when
 safeckpt's group is created: pid, process start time and an identity of the kernel and pid
 namespace it runs in. A survivor in the same kernel and pid namespace can then tell for
 certain whether a peer's process is gone (no /proc entry, a zombie, or the pid reused by a
 newer process). For a peer elsewhere the answer is "unknown": never guessed.
+
+A survivor that saw the failure may raise and exit before a slower peer looks; it leaves a
+note on its host (``mark_survivor``) so it is not blamed, saying what it had completed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-import threading
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import uuid
 from typing import Any
 
 
@@ -45,7 +49,8 @@ def self_record() -> dict[str, Any]:
         start: int | None = _proc_stat(pid)[1]  # type: ignore[index]
     except (OSError, ValueError, IndexError):
         start = None
-    return {"pid": pid, "host": socket.gethostname(), "ns": _namespace(), "start": start}
+    return {"pid": pid, "host": socket.gethostname(), "ns": _namespace(), "start": start,
+            "nonce": uuid.uuid4().hex[:16]}
 
 
 def is_gone(record: dict[str, Any] | None) -> bool | None:
@@ -67,63 +72,40 @@ def is_gone(record: dict[str, Any] | None) -> bool | None:
     return record.get("start") is not None and start != record["start"]  # pid reused: gone
 
 
-class _Watch:
-    """One blocking call's view: when each watched peer was first seen gone."""
 
-    def __init__(self, peers: dict[int, dict[str, Any]]) -> None:
-        self.peers = peers
-        self.first_gone: dict[int, float] = {}
+def _marker_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"safeckpt-survivors-{os.getuid()}")
 
 
-class DeathWatch:
-    """Notes the moment each peer's process is first seen gone while a blocking call runs.
+def mark_survivor(token: str, rank: int, note: dict[str, Any]) -> None:
+    """Leave a note on this host that ``rank`` saw the failure of group ``token`` itself.
 
-    When several processes are gone by the time a survivor's call fails (it may have waited
-    out a timeout while other survivors already failed and exited), the order tells which
-    one went first. A daemon thread polls /proc only while some call is being watched; it
-    runs no collectives and touches no shared state but its own.
+    A survivor may raise and exit before a slower peer looks, and then its process is gone
+    too (with the store, if it was rank 0); the note, read where the pid check works (on this
+    host), keeps it from being blamed and tells what it had done. Notes older than a day are
+    removed.
     """
-
-    INTERVAL = 0.05
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active: list[_Watch] = []
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @contextmanager
-    def watching(self, peers: list[dict[str, Any] | None]) -> Iterator[_Watch]:
-        here = _namespace()
-        comparable = {r: p for r, p in enumerate(peers) if p and here is not None and p.get("ns") == here}
-        watch = _Watch(comparable)
-        if not comparable:
-            yield watch
-            return
-        with self._lock:
-            self._active.append(watch)
-            if self._thread is None or not self._thread.is_alive():  # also after a fork
-                self._thread = threading.Thread(target=self._run, name="safeckpt-deathwatch", daemon=True)
-                self._thread.start()
-            self._wake.set()
-        try:
-            yield watch
-        finally:
-            with self._lock:
-                self._active.remove(watch)
-                if not self._active:
-                    self._wake.clear()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            with self._lock:
-                watches = list(self._active)
-            for w in watches:
-                for r, rec in w.peers.items():
-                    if r not in w.first_gone and is_gone(rec):
-                        w.first_gone[r] = time.monotonic()
-            time.sleep(self.INTERVAL)
+    try:
+        folder = _marker_dir()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{token}-{rank}")
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(note, f)
+        os.replace(f"{path}.tmp", path)
+        cutoff = time.time() - 86400
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if os.path.getmtime(path) < cutoff:
+                os.unlink(path)
+    except OSError:
+        pass
 
 
-DEATH_WATCH = DeathWatch()
+def survivor_note(token: str, rank: int) -> dict[str, Any] | None:
+    """The note ``rank`` left on this host for group ``token``, or None."""
+    try:
+        with open(os.path.join(_marker_dir(), f"{token}-{rank}")) as f:
+            note = json.load(f)
+        return note if isinstance(note, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -153,6 +153,8 @@ class _SaveJob:
             info = self.coord.run(
                 "commit", lambda: self._commit(staging, written),
                 hint="No checkpoint was published; the previous one (if any) is intact.",
+                done_hint=f"Rank 0 published the checkpoint {self.target} before the failure: "
+                "it is complete and loadable.",
             )[0]
         except BaseException:
             if self.coord.is_coordinator and staging:
