@@ -1,0 +1,257 @@
+"""Pieces shared by the Hugging Face Trainer and Accelerate integrations.
+
+What lives here: unwrapping Accelerate's optimizer/scheduler wrappers, RNG state that is loaded
+with the rest of a checkpoint but applied later, sampler state as JSON, checking that user
+objects hold only tensors and JSON values, loading a subset of a checkpoint's entries without
+skipping anything silently, the one place DeepSpeed is refused, and exporting a (possibly
+FSDP2-sharded) model as ``from_pretrained``-loadable safetensors without gathering it.
+
+Nothing here imports transformers or accelerate at module level; callers already have them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, NoReturn
+
+import torch
+
+from ..errors import CheckpointError, IncompatibleCheckpoint
+from ..rng import RNGState
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def share_from_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only and give every rank its JSON-able result, or its error.
+
+    An error on rank 0 is raised on every rank (as CheckpointError naming rank 0), so no rank
+    goes on while rank 0 failed.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        return fn()
+    box: list[Any] = [None]
+    local: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"ok": fn()}
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, re-raised below
+            box[0] = {"error": f"{type(exc).__name__}: {exc}"}
+            local = exc
+    dist.broadcast_object_list(box, src=0)
+    if local is not None:
+        raise local
+    if "error" in box[0]:
+        raise CheckpointError(f"rank 0 failed (rank {dist.get_rank()} stops too): {box[0]['error']}")
+    return box[0]["ok"]
+
+
+# --------------------------------------------------------------------------- wrappers
+def inner_optimizer(opt: Any) -> Any:
+    """The torch optimizer inside Accelerate's AcceleratedOptimizer (or ``opt`` itself).
+
+    safeckpt keys FSDP2 optimizer state by parameter name only for real torch optimizers, and
+    the wrapper's load_state_dict adds nothing on CPU/GPU (device moves happen in place).
+    """
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else opt
+
+
+def inner_scheduler(sched: Any) -> Any:
+    """The LR scheduler inside Accelerate's AcceleratedScheduler (or ``sched`` itself)."""
+    inner = getattr(sched, "scheduler", None)
+    return inner if inner is not None and callable(getattr(inner, "state_dict", None)) else sched
+
+
+def is_sharded(model: Any) -> bool:
+    """True when the model's parameters are DTensors (FSDP2 / tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def refuse_fsdp1(model: Any, where: str) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return
+    found = [m for m in ([model] + list(getattr(model, "modules", list)())) if isinstance(m, FullyShardedDataParallel)]
+    if found:
+        raise CheckpointError(
+            f"{where}: the model is wrapped in FSDP1 (FullyShardedDataParallel), whose flat "
+            "parameters safeckpt does not save. Use FSDP2 (fsdp_version=2 / fully_shard), "
+            "whose DTensor shards safeckpt saves without gathering them."
+        )
+
+
+def refuse_deepspeed(where: str) -> NoReturn:
+    """The one place DeepSpeed under Trainer/Accelerate is turned away.
+
+    Hook: once the DeepSpeed integration can save an engine created by Trainer/Accelerate
+    (``safeckpt.integrations.deepspeed.install_on_initialize``), route there instead of raising.
+    """
+    raise CheckpointError(
+        f"{where}: DeepSpeed is enabled, and the safeckpt Trainer/Accelerate integration does "
+        "not checkpoint DeepSpeed engines (their optimizer state lives inside the engine). "
+        "Use safeckpt.integrations.deepspeed on the engine itself, or train without DeepSpeed "
+        "(DDP or FSDP2) to use this integration."
+    )
+
+
+# --------------------------------------------------------------------------- RNG
+class DeferredRNG(RNGState):
+    """Every rank's RNG state, loaded with the checkpoint but applied only by :meth:`apply`.
+
+    The Trainer restores RNG after it has skipped the batches already trained in the resumed
+    epoch (skipping draws random numbers); loading everything in one collective call and
+    applying RNG at that later moment keeps the resumed run bit-exact.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, Any] | None = None
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.pending = sd
+
+    def apply(self) -> bool:
+        if self.pending is None:
+            return False
+        sd, self.pending = self.pending, None
+        RNGState.load_state_dict(self, sd)
+        return True
+
+
+# --------------------------------------------------------------------------- samplers
+def sampler_of(dataloader: Any) -> Any:
+    """Accelerate's SeedableRandomSampler behind a prepared dataloader, or None."""
+    if dataloader is None:
+        return None
+    try:
+        from accelerate.data_loader import SeedableRandomSampler, get_sampler
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        sampler = get_sampler(dataloader)
+    except Exception:  # noqa: BLE001 - not an Accelerate-shaped loader
+        sampler = getattr(dataloader, "sampler", None)
+    return sampler if isinstance(sampler, SeedableRandomSampler) else None
+
+
+def sampler_state(dataloader: Any) -> dict[str, int] | None:
+    """The data order of a seedable sampler: its seed and epoch (JSON, no pickle)."""
+    sampler = sampler_of(dataloader)
+    if sampler is None:
+        return None
+    return {"initial_seed": int(sampler.initial_seed), "epoch": int(sampler.epoch)}
+
+
+def restore_sampler(dataloader: Any, sd: Mapping[str, Any] | None, where: str) -> None:
+    sampler = sampler_of(dataloader)
+    if sd is None:
+        return
+    if sampler is None:
+        raise IncompatibleCheckpoint(
+            f"{where}: the checkpoint holds the state of a seedable sampler, but the current "
+            "training dataloader has none (was use_seedable_sampler changed?)."
+        )
+    sampler.initial_seed = int(sd["initial_seed"])
+    sampler.set_epoch(int(sd["epoch"]))
+
+
+# --------------------------------------------------------------------------- values
+def check_plain(where: str, value: Any, path: str = "") -> None:
+    """Refuse values that are neither tensors nor JSON (safeckpt never pickles)."""
+    if value is None or isinstance(value, (bool, int, str, torch.Tensor)):
+        return
+    if isinstance(value, float):
+        return  # non-finite floats are tagged in the JSON tree
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(
+                    f"{where}: key {k!r} at {path or '/'} is a {type(k).__name__}; only str and "
+                    "int keys can be saved without pickle."
+                )
+            check_plain(where, v, f"{path}/{k}")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_plain(where, v, f"{path}/{i}")
+        return
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return  # numpy scalars and arrays are converted
+    raise CheckpointError(
+        f"{where}: its state_dict() holds a {type(value).__module__}.{type(value).__qualname__} "
+        f"at {path or '/'}; safeckpt saves only tensors and JSON values (no pickle). Convert it "
+        "in state_dict()/load_state_dict() (e.g. to a list, a string or a tensor)."
+    )
+
+
+def json_float(x: Any) -> float | None:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+# --------------------------------------------------------------------------- loading
+def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float | None,
+                 where: str) -> Any:
+    """Load only ``state``'s entries from the checkpoint at ``path`` (collective).
+
+    A strict load needs every entry of the checkpoint; this one leaves the others out but,
+    unlike ``strict=False`` alone, refuses anything missing or mismatched in the entries asked
+    for (a missing piece is an error, never a skip).
+    """
+    from .. import load
+
+    info = load(path, state, strict=False, timeout=timeout)
+    problems = [p for p in info.skipped if not p.startswith("unexpected entry ")]
+    if problems:
+        raise IncompatibleCheckpoint(
+            f"{where}: checkpoint {path} does not fit:\n  " + "\n  ".join(problems[:20])
+        )
+    return info
+
+
+# --------------------------------------------------------------------------- export
+def export_pretrained(model: Any, out_dir: str, *, timeout: float | None,
+                      write_extras: Callable[[str], None]) -> list[str]:
+    """Write ``model`` (DDP, FSDP2 shards or plain) to ``out_dir`` as Hugging Face safetensors.
+
+    Collective. Every rank saves its own shards into a hidden safeckpt checkpoint next to
+    ``out_dir`` (nothing is gathered); rank 0 then streams it into ``model.safetensors`` (or
+    shards plus index) in bounded memory, ``write_extras(out_dir)`` adds config and tokenizer,
+    and the hidden checkpoint is removed. Returns the weight files written.
+    """
+    from .. import save
+    from .._convert import export_hf
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    parent = os.path.dirname(out_dir)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.safeckpt-export")
+    save(tmp, {"model": model}, overwrite=True, timeout=timeout)
+
+    def _export() -> list[str]:
+        try:
+            written = export_hf(tmp, out_dir, only="model", overwrite=True)
+            write_extras(out_dir)
+            return written
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return share_from_rank0(_export)

@@ -1,0 +1,205 @@
+"""Accelerate's ``save_state`` / ``load_state`` through safeckpt.
+
+Replace ``Accelerator`` by :class:`SafeckptAccelerator` (same arguments)::
+
+    accelerator = SafeckptAccelerator(project_config=ProjectConfiguration(
+        project_dir="run", automatic_checkpoint_naming=True, total_limit=3))
+    model, opt, dl, sched = accelerator.prepare(model, opt, dl, sched)
+    accelerator.load_state()            # newest valid checkpoint under run/checkpoints, if any
+    ...
+    if step % 500 == 0 or accelerator.preempted:
+        accelerator.save_state()        # one collective, atomic commit; retention afterwards
+
+or call :func:`save_state` / :func:`load_state` with a plain ``Accelerator``.
+
+One checkpoint holds every prepared model (DDP replicas written once, FSDP2 shards as
+DTensors), optimizer, scheduler, the grad scaler, every ``register_for_checkpointing`` object
+(tensors and JSON only; anything else is refused with the object's name), each prepared
+dataloader's seedable-sampler state (and a stateful dataloader's position, per rank),
+``accelerator.step``, the save iteration and every rank's RNG. With
+``automatic_checkpoint_naming`` checkpoints are ``project_dir/checkpoints/step-NNNNNNNNNN``
+(N = the save iteration), ``total_limit`` is applied only after the new one is committed, and
+``load_state()`` takes the newest one that verifies and restores the iteration, so the next
+save gets the next number. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from .. import CheckpointManager, PerRank, RNGState, load, save
+from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound, IncompatibleCheckpoint
+from . import _hf_common as common
+
+FORMAT = "safeckpt.accelerate/1"
+
+
+def _check(acc: Accelerator, where: str) -> None:
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        common.refuse_deepspeed(where)
+    if acc.distributed_type == DistributedType.MEGATRON_LM:
+        raise CheckpointError(f"{where}: Megatron-LM engines are not supported by safeckpt")
+    if acc._save_model_state_pre_hook or acc._load_model_state_pre_hook:
+        raise CheckpointError(
+            f"{where}: register_save_state_pre_hook / register_load_state_pre_hook hooks write or "
+            "read their own files, which would sit outside the atomic checkpoint. Remove them: "
+            "safeckpt saves every prepared model itself (register other state with "
+            "register_for_checkpointing)."
+        )
+
+
+def accelerator_state(acc: Accelerator, *, loading: bool = False) -> dict[str, Any]:
+    """The safeckpt state dict of everything ``acc`` checkpoints (same layout to save and load)."""
+    where = "load_state" if loading else "save_state"
+    _check(acc, where)
+    state: dict[str, Any] = {}
+    for i, model in enumerate(acc._models):
+        common.refuse_fsdp1(model, where)
+        state[f"model_{i}"] = model
+    for i, opt in enumerate(acc._optimizers):
+        state[f"optimizer_{i}"] = common.inner_optimizer(opt)
+    for i, sched in enumerate(acc._schedulers):
+        state[f"scheduler_{i}"] = common.inner_scheduler(sched)
+    for i, dl in enumerate(acc._dataloaders):
+        entry: dict[str, Any] = {"sampler": None if loading else common.sampler_state(dl)}
+        if getattr(dl, "use_stateful_dataloader", False):
+            entry["position"] = PerRank(None if loading else dl.state_dict())
+        state[f"dataloader_{i}"] = entry
+    for i, obj in enumerate(acc._custom_objects):
+        if not loading:
+            common.check_plain(f"register_for_checkpointing object {i} ({type(obj).__name__})",
+                               obj.state_dict())
+        state[f"custom_{i}"] = obj
+    if acc.scaler is not None:
+        state["scaler"] = acc.scaler
+    state["rng"] = RNGState()
+    state["accelerator"] = {"format": FORMAT, "step": int(acc.step),
+                            "iteration": int(acc.project_configuration.iteration)}
+    return state
+
+
+def _apply(acc: Accelerator, state: dict[str, Any]) -> None:
+    """After a load: what is not restored in place (samplers, positions, counters)."""
+    for i, dl in enumerate(acc._dataloaders):
+        entry = state[f"dataloader_{i}"]
+        common.restore_sampler(dl, entry["sampler"], "load_state")
+        if "position" in entry and entry["position"].value is not None:
+            dl.load_state_dict(entry["position"].value)
+    meta = state["accelerator"]
+    if meta.get("format") != FORMAT:
+        raise IncompatibleCheckpoint(f"not an Accelerate checkpoint (format {meta.get('format')!r})")
+    acc.step = int(meta["step"])
+    acc.project_configuration.iteration = int(meta["iteration"]) + 1
+
+
+def _root(acc: Accelerator) -> str:
+    return os.path.join(os.path.abspath(acc.project_dir), "checkpoints")
+
+
+def _manager(acc: Accelerator, timeout: float | None) -> CheckpointManager:
+    mgr = getattr(acc, "_safeckpt_mgr", None)
+    if mgr is None:
+        cfg = acc.project_configuration
+        mgr = CheckpointManager(_root(acc), keep_last=cfg.total_limit or None, timeout=timeout)
+        acc._safeckpt_mgr = mgr
+    return mgr
+
+
+def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
+               timeout: float | None = None) -> str:
+    """``acc.save_state`` through safeckpt (collective); returns the checkpoint's path.
+
+    With ``automatic_checkpoint_naming`` the checkpoint is the save iteration's under
+    ``project_dir/checkpoints`` (``output_dir`` is ignored, as Accelerate does) and
+    ``total_limit`` retention runs after the commit; otherwise ``output_dir`` is written (an
+    existing safeckpt checkpoint there is replaced atomically).
+    """
+    state = accelerator_state(acc)
+    cfg = acc.project_configuration
+    if cfg.automatic_checkpoint_naming:
+        mgr = _manager(acc, timeout)
+        step = int(cfg.iteration)
+        path = os.path.join(_root(acc), f"step-{step:010d}")
+        if common.share_from_rank0(lambda: os.path.exists(path)):
+            raise CheckpointExists(
+                f"{path} (save iteration {step}) exists already: call load_state() first to "
+                "continue this project, or set project_configuration.iteration."
+            )
+        info = mgr.save(step, state)
+        path = info.path if info is not None else path
+    else:
+        if output_dir is None:
+            raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
+                                  "naming is disabled")
+        path = save(output_dir, state, overwrite=True, timeout=timeout).path
+    cfg.iteration += 1
+    return path
+
+
+def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None, *,
+               timeout: float | None = None) -> str:
+    """``acc.load_state`` through safeckpt (collective); returns the checkpoint's path.
+
+    Without ``input_dir`` (automatic naming), the newest checkpoint that verifies, chosen once
+    for all ranks; the save iteration continues after it. A missing piece raises
+    IncompatibleCheckpoint before anything is changed.
+    """
+    state = accelerator_state(acc, loading=True)
+    if input_dir is None:
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            raise CheckpointError("load_state: no input_dir given and automatic checkpoint "
+                                  "naming is disabled")
+        step = _manager(acc, timeout).restore(state)
+        if step is None:
+            raise CheckpointNotFound(f"no committed checkpoint under {_root(acc)}", path=_root(acc))
+        path = os.path.join(_root(acc), f"step-{step:010d}")
+    else:
+        path = os.path.abspath(os.fspath(input_dir))
+        load(path, state, timeout=timeout)
+    _apply(acc, state)
+    return path
+
+
+class SafeckptAccelerator(Accelerator):
+    """``Accelerator`` whose ``save_state``/``load_state`` are safeckpt commits and loads.
+
+    ``preempted`` (with automatic checkpoint naming): True on every rank once any rank got
+    SIGTERM/SIGUSR1; collective, so call it at the same point on every rank.
+    """
+
+    def __init__(self, *args: Any, safeckpt_timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.safeckpt_timeout = safeckpt_timeout
+        self._safeckpt_mgr: CheckpointManager | None = None
+        _check(self, "SafeckptAccelerator")
+        if self.project_configuration.automatic_checkpoint_naming:
+            _manager(self, safeckpt_timeout)  # watch preemption signals from now on
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        return save_state(self, output_dir, timeout=self.safeckpt_timeout)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        load_state(self, input_dir, timeout=self.safeckpt_timeout)
+
+    @property
+    def preempted(self) -> bool:
+        if self._safeckpt_mgr is None:
+            raise CheckpointError("preempted needs ProjectConfiguration(automatic_checkpoint_naming=True)")
+        return self._safeckpt_mgr.preempted
+
+    def safeckpt_close(self) -> None:
+        """Release the checkpoint root's writer lease and the signal handlers (end_training
+        calls it; call it yourself to keep the process group alive)."""
+        mgr, self._safeckpt_mgr = self._safeckpt_mgr, None
+        if mgr is not None:
+            mgr.close()
+
+    def end_training(self) -> None:
+        self.safeckpt_close()
+        super().end_training()

@@ -1,0 +1,474 @@
+"""Hugging Face Trainer and TRL trainers with safeckpt as their checkpoint backend.
+
+One line per training script::
+
+    from safeckpt.integrations.hf import with_safeckpt
+    trainer = with_safeckpt(Trainer)(model=model, args=args, ...)    # or with_safeckpt(SFTTrainer)
+    trainer.train(resume_from_checkpoint=True)                        # newest valid checkpoint
+
+Each save is one collective, atomic safeckpt commit under ``args.output_dir`` (directories
+``step-NNNNNNNNNN``) holding the model (DDP replicas written once, FSDP2 shards as DTensors, never
+gathered), optimizer, LR scheduler, grad scaler, every rank's RNG, the TrainerState and the
+seedable sampler's state. Retention (``save_total_limit``, the best checkpoint by
+``metric_for_best_model``) runs only after the commit. A SIGTERM on any rank makes every rank
+save the same step and stop. ``save_model`` of an FSDP2 model writes ``from_pretrained``-loadable
+safetensors without gathering the weights on one rank.
+
+How it hooks in (Trainer has no backend slot; see INTEGRATIONS.md): ``with_safeckpt`` puts
+:class:`SafeckptTrainerMixin` directly above ``Trainer`` in the MRO, so a subclass such as TRL's
+SFTTrainer still runs its own ``_save_checkpoint`` additions, and the outermost
+``_save_checkpoint`` commits once they are done. Files a subclass writes into
+``output_dir/checkpoint-N`` during a save (TRL's GRPO writes one) are taken into the commit and
+handed back on resume in a private directory. The mixin replaces Trainer's checkpoint writing
+and reading (``_save_checkpoint``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+``_load_scaler``, ``_load_rng_state``, ``_load_best_model``); everything else is Trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any, TypeVar
+
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState, TrainerState
+
+from .. import CheckpointManager, RNGState, load
+from ..errors import CheckpointError, CheckpointNotFound, IncompatibleCheckpoint, SafeckptWarning
+from . import _hf_common as common
+
+T = TypeVar("T", bound=type)
+
+STATE_FILE = "trainer_state.json"  # materialised for Trainer.train(), which reads it itself
+SIDE_PREFIX = "checkpoint-"        # where Trainer subclasses put their own files during a save
+MAX_SIDE_BYTES = 16 << 20
+FORMAT = "safeckpt.hf.trainer/1"
+
+
+def _step_dir(root: str, step: int) -> str:
+    """Where the manager commits ``step`` (README: On-disk format)."""
+    return os.path.join(root, f"step-{step:010d}")
+
+
+class _Hooks(TrainerCallback):
+    """Agreed preemption and the sampler restore, at the moments Trainer offers callbacks."""
+
+    def __init__(self, trainer: SafeckptTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        t = self.trainer
+        if t._safeckpt_sampler is not None:
+            common.restore_sampler(kwargs.get("train_dataloader"), t._safeckpt_sampler,
+                                   "resume")
+            t._safeckpt_sampler = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        mgr = self.trainer._safeckpt_mgr
+        # Collective on every rank at every optimizer step: one tiny all-reduce.
+        if mgr is not None and mgr.preempted:
+            self.trainer.safeckpt_preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+class SafeckptTrainerMixin(Trainer):
+    """Trainer whose checkpoints are safeckpt commits. Prefer :func:`with_safeckpt`.
+
+    Class attributes (set them on a subclass or pass them to ``with_safeckpt``):
+    ``safeckpt_root`` (default: ``args.output_dir``) and ``safeckpt_timeout`` (seconds any rank
+    waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600).
+    """
+
+    safeckpt_root: str | None = None
+    safeckpt_timeout: float | None = None
+    safeckpt_preempted: bool = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._safeckpt_mgr: CheckpointManager | None = None
+        self._safeckpt_resume: dict[str, Any] | None = None
+        self._safeckpt_rng: common.DeferredRNG | None = None
+        self._safeckpt_sampler: dict[str, Any] | None = None
+        self._safeckpt_outer = False
+        self._safeckpt_side: str | None = None
+        self._safeckpt_best: list[Any] | None = None
+        targs = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainingArguments)), None)
+        model = kwargs.get("model", args[0] if args else None)
+        # Trainer refuses full checkpoints of models sharded at load time (its own format cannot
+        # hold their optimizer state); safeckpt can, so let its guard pass and restore the flag.
+        bypass = (targs is not None and not targs.save_only_model
+                  and getattr(model, "is_distributed_loading_by_transformers", False))
+        if bypass:
+            targs.save_only_model = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if bypass:
+                targs.save_only_model = False
+        self._safeckpt_check_supported()
+        self.add_callback(_Hooks(self))
+
+    # ------------------------------------------------------------------ setup
+    def _safeckpt_check_supported(self) -> None:
+        where = type(self).__name__
+        if getattr(self, "is_deepspeed_enabled", False):
+            common.refuse_deepspeed(where)
+        if self.args.enable_jit_checkpoint:
+            raise CheckpointError(
+                f"{where}: enable_jit_checkpoint installs a per-rank SIGTERM handler, so ranks can "
+                "save different steps; safeckpt's agreed preemption replaces it. Remove "
+                "enable_jit_checkpoint=True (a SIGTERM still saves and stops every rank)."
+            )
+        if self.args.push_to_hub and self.args.hub_strategy in ("checkpoint", "all_checkpoints"):
+            raise CheckpointError(
+                f"{where}: hub_strategy={self.args.hub_strategy!r} uploads Trainer-format "
+                "checkpoint folders, which safeckpt does not write. Use hub_strategy='end' or "
+                "'every_save' (the exported model is pushed), or push checkpoints yourself."
+            )
+        if self.args.save_on_each_node:
+            warnings.warn(
+                "save_on_each_node is ignored by safeckpt: every rank writes its share into one "
+                "checkpoint on storage shared by all ranks.", SafeckptWarning, stacklevel=3,
+            )
+
+    @property
+    def safeckpt_root_dir(self) -> str:
+        return os.path.abspath(self.safeckpt_root or self.args.output_dir)
+
+    def _safeckpt_manager(self) -> CheckpointManager:
+        if self._safeckpt_mgr is None:
+            a = self.args
+            metric = self._safeckpt_metric()
+            self._safeckpt_mgr = CheckpointManager(
+                self.safeckpt_root_dir,
+                keep_last=a.save_total_limit if a.save_total_limit else None,
+                keep_best=1 if metric else None,
+                best_metric=metric,
+                best_mode="max" if a.greater_is_better else "min",
+                timeout=self.safeckpt_timeout,
+            )
+        return self._safeckpt_mgr
+
+    def _safeckpt_metric(self) -> str | None:
+        m = self.args.metric_for_best_model
+        if not m:
+            return None
+        return m if m.startswith("eval_") else f"eval_{m}"
+
+    # ------------------------------------------------------------------ train / resume
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+        """Trainer.train; ``resume_from_checkpoint=True`` takes the newest valid checkpoint
+        under the root (chosen once for all ranks), a path takes that checkpoint."""
+        if trial is not None:
+            raise CheckpointError("safeckpt's Trainer integration does not support "
+                                  "hyperparameter search trials")
+        self.safeckpt_preempted = False
+        self._safeckpt_manager()
+        tmp = None
+        try:
+            if resume_from_checkpoint not in (None, False):
+                tmp = self._safeckpt_prepare_resume(resume_from_checkpoint)
+            return super().train(resume_from_checkpoint=tmp, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._safeckpt_resume = None
+            mgr, self._safeckpt_mgr = self._safeckpt_mgr, None
+            if mgr is not None:
+                mgr.close()
+
+    def _safeckpt_prepare_resume(self, resume: str | bool) -> str:
+        """Pick the checkpoint (collectively), read TrainerState and side files from it, and
+        write them to a private directory that Trainer.train() reads as usual."""
+        mgr = self._safeckpt_manager()
+        head: dict[str, Any] = {"trainer_state": {}, "side_files": {}, "safeckpt": {}}
+        if resume is True:
+            step = mgr.restore(head, strict=False)
+            if step is None:
+                raise CheckpointNotFound(
+                    f"resume_from_checkpoint=True but {self.safeckpt_root_dir} holds no committed "
+                    "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
+                    path=self.safeckpt_root_dir,
+                )
+            path = _step_dir(self.safeckpt_root_dir, step)
+            if not os.path.isdir(path):  # the manager's naming changed: fail loudly
+                raise CheckpointError(f"restored step {step} but {path} does not exist")
+        else:
+            path = os.path.abspath(os.fspath(resume))
+            try:
+                common.load_entries(path, head, timeout=self.safeckpt_timeout, where="resume")
+            except CheckpointNotFound as exc:
+                raise CheckpointNotFound(
+                    f"{path} is not a committed safeckpt checkpoint ({exc}). Trainer-format "
+                    "checkpoints (checkpoint-N) cannot be resumed by the safeckpt integration; "
+                    "convert the model with `safeckpt convert` or start fresh.", path=path,
+                ) from exc
+        meta = head["safeckpt"]
+        if meta.get("format") != FORMAT:
+            raise IncompatibleCheckpoint(f"{path} was not written by the safeckpt Trainer "
+                                         f"integration (format {meta.get('format')!r})")
+        if meta.get("save_only_model"):
+            raise IncompatibleCheckpoint(
+                f"{path} was saved with save_only_model=True: it holds the model and TrainerState "
+                "but no optimizer, scheduler or RNG state, so training cannot resume from it. "
+                "Load the weights with safeckpt.load(path, {'model': model}, strict=False) instead."
+            )
+        tmp = tempfile.mkdtemp(prefix="safeckpt-hf-resume-")
+        TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
+        for name, text in head["side_files"].items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        self._safeckpt_best = meta.get("best")
+        self._safeckpt_resume = {"dir": tmp, "path": path}
+        return tmp
+
+    def _safeckpt_ours(self, checkpoint: str | None) -> bool:
+        r = self._safeckpt_resume
+        if checkpoint is not None and r is not None and checkpoint == r["dir"]:
+            return True
+        if checkpoint is not None:
+            raise CheckpointError(
+                f"{checkpoint} is not a checkpoint chosen by the safeckpt integration; resume "
+                "through trainer.train(resume_from_checkpoint=...) only."
+            )
+        return False
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # The model is loaded with the optimizer, in one collective load, after prepare().
+        self._safeckpt_ours(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._safeckpt_ours(checkpoint):
+            return
+        path = self._safeckpt_resume["path"]
+        state = self._safeckpt_state(loading=True)
+        try:
+            load(path, state, strict=True, timeout=self.safeckpt_timeout)
+        except IncompatibleCheckpoint as exc:
+            raise IncompatibleCheckpoint(
+                f"cannot resume from {path}: it does not hold exactly what this Trainer saves "
+                f"(different model, optimizer, mixed precision or sampler setup?): {exc}"
+            ) from exc
+        self._safeckpt_sampler = state["sampler"]
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        self._safeckpt_ours(checkpoint)  # loaded with the optimizer
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if self._safeckpt_ours(checkpoint) and self._safeckpt_rng is not None:
+            self._safeckpt_rng.apply()
+
+    def _load_best_model(self) -> None:
+        path = self.state.best_model_checkpoint
+        common.load_entries(path, {"model": self._safeckpt_model()}, timeout=self.safeckpt_timeout,
+                            where="load_best_model_at_end")
+
+    # ------------------------------------------------------------------ save
+    def _safeckpt_model(self) -> Any:
+        wrapped = self.model_wrapped
+        model = wrapped if wrapped is not None and hasattr(wrapped, "state_dict") else self.model
+        common.refuse_fsdp1(model, "safeckpt")
+        return model
+
+    def _safeckpt_state(self, loading: bool = False) -> dict[str, Any]:
+        """What one checkpoint holds; the same layout for saving and loading."""
+        state: dict[str, Any] = {"model": self._safeckpt_model()}
+        save_all = not self.args.save_only_model or loading
+        if save_all:
+            state["optimizer"] = common.inner_optimizer(self.optimizer)
+            state["scheduler"] = common.inner_scheduler(self.lr_scheduler)
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                state["scaler"] = scaler
+            if loading:
+                self._safeckpt_rng = common.DeferredRNG()
+                state["rng"] = self._safeckpt_rng
+            else:
+                state["rng"] = RNGState()
+            state["sampler"] = (None if loading else
+                                common.sampler_state(self.callback_handler.train_dataloader))
+        state["trainer_state"] = {} if loading else json.loads(
+            json.dumps(dataclasses.asdict(self.state)))
+        state["side_files"] = {}
+        state["safeckpt"] = {}
+        return state
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self._safeckpt_outer:
+            # Called from the outermost _save_checkpoint (with_safeckpt): subclasses may still
+            # add files after us; the outermost one commits once they are done.
+            if self._safeckpt_side is not None:
+                os.makedirs(self._safeckpt_side, exist_ok=True)
+            return
+        self._safeckpt_commit(trial)
+
+    def _safeckpt_side_begin(self) -> None:
+        """Before a subclass's _save_checkpoint runs: ``output_dir/checkpoint-N`` is where it
+        writes its own files; take them into the commit if that directory is new."""
+        d = os.path.join(self.args.output_dir, f"{SIDE_PREFIX}{self.state.global_step}")
+        if common.share_from_rank0(lambda: os.path.exists(d)):
+            warnings.warn(f"{d} exists already (a Trainer-format checkpoint?); files in it are not "
+                          "taken into the safeckpt checkpoint and it is left alone.",
+                          SafeckptWarning, stacklevel=3)
+            self._safeckpt_side = None
+        else:
+            self._safeckpt_side = d
+
+    def _safeckpt_side_files(self) -> dict[str, str]:
+        """Rank 0's view of the files subclasses wrote during this save (text, <= 16 MiB each)."""
+        d = self._safeckpt_side
+        if d is None:
+            return {}
+
+        def read() -> dict[str, str]:
+            if not os.path.isdir(d):
+                return {}
+            out = {}
+            for name in sorted(os.listdir(d)):
+                p = os.path.join(d, name)
+                try:
+                    if not os.path.isfile(p) or os.path.getsize(p) > MAX_SIDE_BYTES:
+                        raise ValueError("not a regular file of at most 16 MiB")
+                    with open(p, encoding="utf-8") as f:
+                        out[name] = f.read()
+                except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+                    raise CheckpointError(
+                        f"{p}: written by {type(self).__name__} during the save, but only text "
+                        f"files of at most 16 MiB are taken into the checkpoint ({exc})"
+                    ) from exc
+            return out
+
+        return common.share_from_rank0(read)
+
+    def _safeckpt_side_end(self) -> None:
+        d, self._safeckpt_side = self._safeckpt_side, None
+        if d is not None and common.rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def _safeckpt_commit(self, trial: Any) -> None:
+        if trial is not None:
+            raise CheckpointError("safeckpt's Trainer integration does not support "
+                                  "hyperparameter search trials")
+        self.store_flos()  # all-gather: every rank, as Trainer does
+        step = self.state.global_step
+        root = self.safeckpt_root_dir
+        path = _step_dir(root, step)
+        metric_name = self._safeckpt_metric()
+        metric = self._safeckpt_eval_metric(metric_name, step)
+        metrics = {metric_name: metric} if metric is not None else {}
+        if metric is not None and self._safeckpt_is_best(metric):
+            self._safeckpt_best = [step, metric]
+        if self._safeckpt_best is not None:
+            self.state.best_model_checkpoint = _step_dir(root, int(self._safeckpt_best[0]))
+        self._safeckpt_export_callbacks()
+        state = self._safeckpt_state()
+        state["side_files"] = self._safeckpt_side_files()
+        state["safeckpt"] = {"format": FORMAT, "save_only_model": bool(self.args.save_only_model),
+                             "best": self._safeckpt_best, "trainer_class": type(self).__name__}
+        mgr = self._safeckpt_manager()
+        try:
+            info = mgr.save(step, state, metrics=metrics)
+        finally:
+            self._safeckpt_side_end()
+        if info is not None and os.path.abspath(info.path) != path:
+            raise CheckpointError(f"committed {info.path}, expected {path}")
+
+    def _safeckpt_eval_metric(self, name: str | None, step: int) -> float | None:
+        if not name:
+            return None
+        for entry in reversed(self.state.log_history):
+            if entry.get("step") != step:
+                break
+            if name in entry:
+                return common.json_float(entry[name])
+        return None
+
+    def _safeckpt_is_best(self, value: float) -> bool:
+        if self._safeckpt_best is None:
+            return True
+        old = float(self._safeckpt_best[1])
+        return value >= old if self.args.greater_is_better else value <= old
+
+    def _safeckpt_export_callbacks(self) -> None:
+        """As Trainer does before writing trainer_state.json: callbacks' state into the state."""
+        for cb in [c for c in self.callback_handler.callbacks + [self.control]
+                   if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[name] = cb.state()
+
+    # ------------------------------------------------------------------ export
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """As Trainer.save_model; an FSDP2-sharded model is exported without being gathered
+        (every rank writes its shards, rank 0 streams them into model.safetensors)."""
+        model = self.model
+        if not common.is_sharded(model):
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        out = os.path.abspath(output_dir or self.args.output_dir)
+
+        def extras(d: str) -> None:
+            inner = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+            if getattr(inner, "config", None) is not None:
+                inner.config.save_pretrained(d)
+            gen = getattr(inner, "generation_config", None)
+            if gen is not None and getattr(inner, "can_generate", lambda: False)():
+                gen.save_pretrained(d)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(d)
+
+        common.export_pretrained(model, out, timeout=self.safeckpt_timeout, write_extras=extras)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | None = None) -> T:
+    """``trainer_cls`` (Trainer, SFTTrainer, any Trainer subclass) with safeckpt checkpoints.
+
+    The mixin is placed directly above ``Trainer`` in the MRO, so the subclass's own
+    ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` additions still run; the returned
+    class's ``_save_checkpoint`` commits after all of them.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"with_safeckpt needs a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None:
+        return trainer_cls
+
+    def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
+        if capture:
+            self._safeckpt_side_begin()
+        self._safeckpt_outer = True
+        try:
+            super(cls, self)._save_checkpoint(model, trial)
+        finally:
+            self._safeckpt_outer = False
+        self._safeckpt_commit(trial)
+
+    # Only a class that adds to _save_checkpoint can write files of its own during a save.
+    capture = trainer_cls._save_checkpoint is not Trainer._save_checkpoint and not issubclass(
+        trainer_cls, SafeckptTrainerMixin)
+    ns: dict[str, Any] = {"_save_checkpoint": _save_checkpoint, "__module__": trainer_cls.__module__,
+                          "__doc__": trainer_cls.__doc__}
+    if root is not None:
+        ns["safeckpt_root"] = os.fspath(root)
+    if timeout is not None:
+        ns["safeckpt_timeout"] = timeout
+    if issubclass(trainer_cls, SafeckptTrainerMixin):
+        bases: tuple[type, ...] = (trainer_cls,)
+    elif trainer_cls is Trainer:
+        bases = (SafeckptTrainerMixin,)
+    else:
+        bases = (trainer_cls, SafeckptTrainerMixin)
+    cls = type(f"Safeckpt{trainer_cls.__name__}", bases, ns)
+    mro = cls.__mro__
+    if mro.index(Trainer) != mro.index(SafeckptTrainerMixin) + 1:  # pragma: no cover - C3 guarantees it
+        raise TypeError(f"cannot place safeckpt directly above Trainer in {trainer_cls.__name__}'s MRO")
+    return cls  # type: ignore[return-value]
