@@ -1,0 +1,157 @@
+"""Trainer / Accelerate integration: what is refused, and how (one process, no process group).
+
+The distributed behaviour is tested with real torchrun jobs in test_hf_trainer_accelerate.py;
+these are the error paths, which must fail before training starts or before anything is
+written, with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import hf_tiny as tiny  # noqa: E402
+
+for _k, _v in tiny.OFFLINE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import safeckpt  # noqa: E402
+from safeckpt.integrations.hf import SafeckptTrainerMixin, with_safeckpt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _args(out: str, **kw: object) -> TrainingArguments:
+    base = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, save_steps=2,
+                save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1,
+                disable_tqdm=True, dataloader_num_workers=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _trainer(out: str, model: object = None, **kw: object) -> Trainer:
+    return with_safeckpt(Trainer)(model=model or tiny.model(), args=_args(out, **kw),
+                                  train_dataset=tiny.TokenData(8, 1))
+
+
+def test_with_safeckpt_places_the_mixin_directly_above_trainer() -> None:
+    from trl import SFTTrainer
+
+    for cls in (Trainer, SFTTrainer):
+        mro = with_safeckpt(cls).__mro__
+        assert mro.index(Trainer) == mro.index(SafeckptTrainerMixin) + 1
+        assert cls in mro
+    with pytest.raises(TypeError, match="Trainer subclass"):
+        with_safeckpt(dict)  # type: ignore[arg-type]
+
+
+def test_resume_true_without_checkpoint_is_an_error(tmp_path) -> None:
+    with pytest.raises(safeckpt.CheckpointNotFound, match="holds no committed safeckpt checkpoint"):
+        _trainer(str(tmp_path)).train(resume_from_checkpoint=True)
+
+
+def test_trainer_format_checkpoint_is_not_resumed(tmp_path) -> None:
+    plain = Trainer(model=tiny.model(), args=_args(str(tmp_path / "hf")),
+                    train_dataset=tiny.TokenData(8, 1))
+    plain.train()
+    hf_ckpt = tmp_path / "hf" / "checkpoint-2"
+    assert (hf_ckpt / "trainer_state.json").exists()
+    with pytest.raises(safeckpt.CheckpointNotFound, match="Trainer-format checkpoints"):
+        _trainer(str(tmp_path / "new")).train(resume_from_checkpoint=str(hf_ckpt))
+
+
+def test_save_only_model_checkpoint_cannot_resume(tmp_path) -> None:
+    t = _trainer(str(tmp_path), save_only_model=True)
+    t.train()
+    sd = safeckpt.read_state_dict(str(tmp_path / "step-0000000002"))
+    assert not any(k.startswith(("optimizer/", "rng/")) for k in sd) and "trainer_state/global_step" in sd
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="save_only_model=True"):
+        _trainer(str(tmp_path), max_steps=4).train(resume_from_checkpoint=True)
+
+
+def test_a_missing_piece_is_an_error_not_a_skip(tmp_path) -> None:
+    _trainer(str(tmp_path)).train()
+    other = tiny.model()
+    other.model.layers = other.model.layers[:1]  # a model without the second layer's weights
+    t = _trainer(str(tmp_path), model=other, max_steps=4)
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="cannot resume from") as err:
+        t.train(resume_from_checkpoint=True)
+    assert "layers.1" in str(err.value)
+
+
+def test_per_rank_sigterm_handler_of_trainer_is_refused(tmp_path) -> None:
+    with pytest.raises(safeckpt.CheckpointError, match="enable_jit_checkpoint"):
+        _trainer(str(tmp_path), enable_jit_checkpoint=True)
+
+
+def test_deepspeed_under_trainer_is_refused(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("deepspeed")
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)  # TrainingArguments sets it
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 1}}
+    try:
+        with pytest.raises(safeckpt.CheckpointError, match="DeepSpeed is enabled"):
+            _trainer(str(tmp_path), deepspeed=ds)
+    finally:
+        AcceleratorState._reset_state(True)  # the process-wide state now says DeepSpeed
+
+
+# ----------------------------------------------------------------------------- Accelerate
+def _accelerator(tmp_path, automatic: bool = True):  # noqa: ANN202
+    from accelerate.utils import ProjectConfiguration
+
+    from safeckpt.integrations.accelerate import SafeckptAccelerator
+
+    acc = SafeckptAccelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=automatic, total_limit=2))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return acc, *acc.prepare(model, opt)
+
+
+def test_accelerate_refusals_and_plain_directory(tmp_path) -> None:
+    acc, model, opt = _accelerator(tmp_path / "a")
+    try:
+        with pytest.raises(safeckpt.CheckpointNotFound):
+            acc.load_state()  # nothing saved yet
+        first = acc.save_state()
+        assert first.endswith("step-0000000000") and acc.project_configuration.iteration == 1
+        handle = acc.register_save_state_pre_hook(lambda models, weights, out: None)
+        with pytest.raises(safeckpt.CheckpointError, match="pre_hook"):
+            acc.save_state()
+        handle.remove()
+        acc.project_configuration.iteration = 0  # would overwrite checkpoint 0
+        with pytest.raises(safeckpt.CheckpointExists, match="call load_state"):
+            acc.save_state()
+        with torch.no_grad():
+            model.weight.zero_()
+        acc.load_state()
+        assert model.weight.abs().sum() > 0 and acc.project_configuration.iteration == 1
+    finally:
+        acc.safeckpt_close()
+
+    acc, model, opt = _accelerator(tmp_path / "b", automatic=False)
+    with pytest.raises(safeckpt.CheckpointError, match="no output_dir"):
+        acc.save_state()
+    with pytest.raises(safeckpt.CheckpointError, match="automatic_checkpoint_naming"):
+        acc.preempted  # noqa: B018
+    path = acc.save_state(str(tmp_path / "b" / "ckpt"))
+    again = acc.save_state(str(tmp_path / "b" / "ckpt"))  # replaced atomically
+    assert path == again and safeckpt.verify(path).ok
+    (tmp_path / "b" / "other").mkdir()
+    (tmp_path / "b" / "other" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(safeckpt.CheckpointExists):
+        acc.save_state(str(tmp_path / "b" / "other"))
