@@ -65,10 +65,15 @@ def _resume_then_save_resave_export(rank: int, world: int, root: str, resume: in
             res["errors"] = _check_errors(a, d, rank)
         if stage == 2:
             res["fallback"] = _check_fallback(d, rank, s2)
+        if stage == 1:
+            res["16bit"] = _check_16bit(a, f"{root}/16bit", rank)
         if stage == 3:
-            c = app.make_engine(stage, seed=3)
+            sds.install_on_initialize()  # the entry point for engines built by Trainer/Accelerate
+            c = app.make_engine(stage, seed=3, install=False)
+            res["auto_installed"] = isinstance(c.checkpoint_engine, sds.SafeckptCheckpointEngine)
             c.load_checkpoint(d, tag="global_step2", load_optimizer_states=False)
             res["weights_only"] = _full_weights(c) == _saved_weights(d, "global_step2")
+            res["nvme"] = _check_nvme_offload(b, c, d, f"{root}/swap", rank)
     if rank == 0:
         out["codec"] = _codec_round_trip()
     return out
@@ -138,6 +143,51 @@ def _check_fallback(d: str, rank: int, s2: dict) -> dict:
         "epoch": client["epoch"],
         "diff": app.differences(s2, app.snapshot(c)),
         "warned": [str(w.message)[:200] for w in caught if issubclass(w.category, safeckpt.SafeckptWarning)],
+    }
+
+
+def _check_16bit(engine, out: str, rank: int) -> dict:
+    """save_16bit_model: a plain safetensors file (rank 0 writes), never a pickle."""
+    import torch
+    from safetensors.torch import load_file
+
+    res = {"bin": dist_harness.attempt(lambda: engine.save_16bit_model(out))}
+    res["st"] = dist_harness.attempt(lambda: engine.save_16bit_model(out, "model.safetensors"))
+    if rank == 0:
+        got = load_file(os.path.join(out, "model.safetensors"))
+        live = engine.module.state_dict()
+        res["equal"] = sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in got)
+    res["files"] = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    return res
+
+
+def _check_nvme_offload(saver, loader, d: str, swap: str, rank: int) -> dict:
+    """NVMe offload files travel with the tag, each rank's in its own directory. No libaio
+    here, so the engines get a stand-in swap folder (DeepSpeed's own save and load code runs
+    its NVMe branches on it: the save's copy is safeckpt's, the load's copytree DeepSpeed's)."""
+    import types
+
+    src, dst = f"{swap}/save-{rank}", f"{swap}/load-{rank}"
+    os.makedirs(f"{src}/sub")
+    files = {"a.swp": os.urandom(1000 + rank), "sub/b.swp": os.urandom(10), "gradient.swp": b"skip"}
+    for rel, data in files.items():
+        with open(f"{src}/{rel}", "wb") as f:
+            f.write(data)
+    os.makedirs(dst)
+    for engine, folder in ((saver, src), (loader, dst)):
+        engine.zero_nvme_offload_optimizer = lambda: True
+        engine.optimizer.optimizer_swapper = types.SimpleNamespace(swap_folder=folder)
+        engine.optimizer.reset_swap_buffers = lambda: None
+    saver.save_checkpoint(d, tag="nvme")
+    published = f"{d}/nvme/offloaded_tensors/rank{rank:02d}"
+    index = tags.read_index(f"{d}/nvme")
+    loader.load_checkpoint(d, tag="nvme")
+    restored = {rel: open(f"{dst}/{rel}", "rb").read() for rel in ("a.swp", "sub/b.swp")}
+    return {
+        "published": sorted(os.path.relpath(os.path.join(r, n), published)
+                            for r, _, ns in os.walk(published) for n in ns),
+        "index": sorted(index["offload"].get(f"rank{rank:02d}", {})),
+        "restored": restored == {k: files[k] for k in restored},
     }
 
 
@@ -305,6 +355,13 @@ def test_zero_1_2_3_kill_resume_resave_export(tmp_path):
         assert (f["tag"], f["epoch"], f["diff"]) == ("global_step2", 2, []), f
         assert any("resave" in w for w in f["warned"]), f["warned"]
         assert v[3]["weights_only"], "ZeRO-3 load without optimizer state: weights differ"
+        assert v[3]["auto_installed"], "install_on_initialize did not install"
+        n = v[3]["nvme"]
+        assert n["published"] == n["index"] == ["a.swp", "sub/b.swp"] and n["restored"], n
+    b16 = [v[1]["16bit"] for v in values]
+    assert not b16[0]["bin"]["ok"] and "model.safetensors" in b16[0]["bin"]["msg"], b16[0]
+    assert b16[1]["bin"]["ok"] and all(b["st"]["ok"] for b in b16), b16  # only rank 0 writes
+    assert b16[0]["equal"] and b16[0]["files"] == ["model.safetensors"], b16[0]
     assert values[0]["codec"]
 
 

@@ -426,11 +426,15 @@ def _own_offload_copy(engine: Any, ce: SafeckptCheckpointEngine) -> Iterator[Non
         ce.copy_offload(_global_rank(), engine.optimizer.optimizer_swapper.swap_folder)
         return False
 
+    shadowed = engine.__dict__.get("zero_nvme_offload_optimizer")
     engine.zero_nvme_offload_optimizer = copy_instead
     try:
         yield
     finally:
-        del engine.zero_nvme_offload_optimizer
+        if shadowed is None:
+            del engine.zero_nvme_offload_optimizer
+        else:
+            engine.zero_nvme_offload_optimizer = shadowed
 
 
 def _engine_info(engine: Any) -> dict[str, Any]:
