@@ -166,6 +166,40 @@ def test_resume_bit_exact_with_topk_and_last_across_two_resumes(tmp_path, kind):
     ref_model = {k: torch.from_numpy(v) for k, v in r0["ref_model"].items()}
     assert _diff(model.state_dict(), ref_model) == []
 
+    if kind == "fsdp2":  # the 2-rank sharded checkpoint resumes on 1 rank (resharded)
+        out = dist_harness.run(_resume_on_one_rank, 1, str(tmp_path), timeout=120, env=ENV)
+        assert out[0].ok, out[0].message
+        v = out[0].value
+        assert v["diff"] == [] and v["restored_step"] == 24, v
+        assert v["final_step"] == 24 + 12, v  # one more epoch: 12 batches on one rank
+        assert v["best_k_models"] == r0["topk"]["best_k_models"]
+
+
+def _resume_on_one_rank(rank: int, world: int, root: str) -> dict:
+    import lightning.pytorch as pl
+
+    from safeckpt.integrations import lightning as sl
+    from tests.integrations import lightning_app as app
+
+    run_root = os.path.join(root, "run")
+    saved = sl.read_checkpoint(os.path.join(run_root, "ckpts", "last.ckpt"))
+    expected = {f"model/{k}": v for k, v in saved["state_dict"].items()}
+    for fqn, st in saved["optimizer_states"][0]["state"].items():
+        expected.update({f"optim/{fqn}/{k}": v for k, v in st.items()})
+    seen: dict = {}
+
+    class Restored(pl.Callback):
+        def on_load_checkpoint(self, trainer, module, checkpoint):
+            got = app.full_state(module, trainer)
+            seen["diff"] = _diff(expected, {k: got[k] for k in expected if k in got})
+            seen["restored_step"] = checkpoint["global_step"]
+            seen["best_k_models"] = {os.path.relpath(k, run_root): float(v)
+                                     for k, v in checkpoint["callbacks"][trainer.checkpoint_callback.state_key]
+                                     ["best_k_models"].items()}
+
+    _, trainer = _run(run_root, "fsdp2", world, 5, resume_seed=4, ckpt_path="last", callbacks=[Restored()])
+    return {**seen, "final_step": trainer.global_step}
+
 
 # --------------------------------------------------------------------------- kill -9 mid-save
 
