@@ -181,7 +181,7 @@ def test_trainer_resume_is_bit_exact(runs: Runs) -> None:
     assert n > 60  # model, AdamW exp_avg/exp_avg_sq/step, RNG tensors
     sd = safeckpt.read_state_dict(runs.path("resumed", "step-0000000012"))
     assert {"model", "optimizer", "scheduler", "rng", "trainer_state", "sampler"} <= {k.split("/")[0] for k in sd}
-    assert sd["trainer_state/global_step"] == 12 and sd["sampler/initial_seed"] == 7
+    assert sd["trainer_state/global_step"] == 12 and sd["sampler/seedable/initial_seed"] == 7
     assert_same_rng(runs.path("straight"), runs.path("resumed"), "ddp")
     # the file a Trainer subclass wrote into checkpoint-N after super() (like TRL's GRPO) was
     # committed with step 5 and handed back to it on resume

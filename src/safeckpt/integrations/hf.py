@@ -118,7 +118,7 @@ class SafeckptTrainerMixin(Trainer):
         where = type(self).__name__
         if getattr(self, "is_deepspeed_enabled", False):
             common.refuse_deepspeed(where)
-        if self.args.enable_jit_checkpoint:
+        if getattr(self.args, "enable_jit_checkpoint", False):
             raise CheckpointError(
                 f"{where}: enable_jit_checkpoint installs a per-rank SIGTERM handler, so ranks can "
                 "save different steps; safeckpt's agreed preemption replaces it. Remove "
@@ -256,7 +256,7 @@ class SafeckptTrainerMixin(Trainer):
                 f"cannot resume from {path}: it does not hold exactly what this Trainer saves "
                 f"(different model, optimizer, mixed precision or sampler setup?): {exc}"
             ) from exc
-        self._safeckpt_sampler = state["sampler"]
+        self._safeckpt_sampler = state["sampler"]["seedable"]
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         self._safeckpt_ours(checkpoint)  # loaded with the optimizer
@@ -292,8 +292,9 @@ class SafeckptTrainerMixin(Trainer):
                 state["rng"] = self._safeckpt_rng
             else:
                 state["rng"] = RNGState()
-            state["sampler"] = (None if loading else
-                                common.sampler_state(self.callback_handler.train_dataloader))
+            # never a bare None entry: {"seedable": None} when there is no seedable sampler
+            state["sampler"] = {"seedable": None if loading else
+                                common.sampler_state(self.callback_handler.train_dataloader)}
         state["trainer_state"] = {} if loading else json.loads(
             json.dumps(dataclasses.asdict(self.state)))
         state["side_files"] = {}
