@@ -19,6 +19,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -311,22 +312,35 @@ def check_chunk(data: bytes | memoryview, expect_hash: str | None, where: str, c
 
 
 class MappedFile:
-    """A read-only view of one data file, checked against its recorded size."""
+    """One local data file, checked against its recorded size.
+
+    Whole chunks are read with ``preadv`` straight into the destination tensor (no mapping, no
+    intermediate copy, no page faults on the file); hashing reads through a small per-thread
+    buffer. Parts of chunks (resharding) are copied out of a read-only mapping made on demand.
+    """
 
     def __init__(self, path: str, expected_size: int) -> None:
         self.path = path
-        ckpt = os.path.dirname(path)
-        fd = open_regular(path, ckpt)
+        self.ckpt = os.path.dirname(path)
+        self.fd = open_regular(path, self.ckpt)
         try:
-            size = os.fstat(fd).st_size
+            size = os.fstat(self.fd).st_size
             if size != expected_size:
                 raise CorruptCheckpoint(
                     f"data file {path} has {size} bytes, the manifest says {expected_size} "
-                    "(truncated or replaced)", path=ckpt,
+                    "(truncated or replaced)", path=self.ckpt,
                 )
-            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
-        finally:
-            os.close(fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = size
+        self._mapping: mmap.mmap | None = None
+
+    @property
+    def _mm(self) -> mmap.mmap | None:
+        if self._mapping is None and self.size:
+            self._mapping = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
+        return self._mapping
 
     def tensor(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], expect_hash: str | None) -> torch.Tensor:
         """The bytes [start, end) as a tensor (aliasing the mapping); verified if a hash is given."""
@@ -339,30 +353,54 @@ class MappedFile:
 
     def read(self, start: int, end: int) -> bytes:
         """A copy of bytes [start, end) (for small reads such as the header)."""
-        return bytes(self._mm[start:end]) if self._mm is not None and end > start else b""
+        if end <= start:
+            return b""
+        buf = bytearray(end - start)
+        self.read_into(start, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, start: int, dst: memoryview) -> None:
+        """Fill ``dst`` with the file's bytes from ``start`` (``preadv``, looping on short reads)."""
+        done = 0
+        while done < len(dst):
+            n = os.preadv(self.fd, [dst[done:]], start + done)
+            if n <= 0:
+                raise CorruptCheckpoint(
+                    f"{self.path} ended at byte {start + done} while reading (it was truncated "
+                    "or replaced while loading)", path=self.ckpt,
+                )
+            done += n
 
     def hash_range_local(self, start: int, end: int, window: int) -> str:
-        """xxh3-64 of bytes [start, end), ``window`` bytes at a time; for ranges larger than a
-        window the pages are dropped from this process after hashing (memory stays bounded)."""
-        assert self._mm is not None
+        """xxh3-64 of bytes [start, end), read through a per-thread buffer of at most ``window``
+        bytes (the reads also bring the bytes into the page cache for the copy that follows)."""
         h = xxhash.xxh3_64()
-        view = memoryview(self._mm)
-        try:
-            for off in range(start, end, window):
-                h.update(view[off : min(off + window, end)])
-                if end - start > window and hasattr(mmap, "MADV_DONTNEED"):
-                    lo = off - off % mmap.PAGESIZE
-                    try:
-                        self._mm.madvise(mmap.MADV_DONTNEED, lo, min(off + window, end) - lo)
-                    except (OSError, ValueError):  # pragma: no cover - best effort
-                        pass
-        finally:
-            view.release()
+        buf = _bounce(min(window, HASH_BUFFER))
+        for off in range(start, end, len(buf)):
+            n = min(len(buf), end - off)
+            self.read_into(off, buf[:n])
+            h.update(buf[:n])
         return h.hexdigest()
 
     def close(self) -> None:
-        if self._mm is not None:
+        if self._mapping is not None:
             try:
-                self._mm.close()
+                self._mapping.close()
             except BufferError:  # a tensor still aliases the mapping; the GC will release it
                 pass
+            self._mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+HASH_BUFFER = 16 << 20  # bytes read per call while hashing
+_local = threading.local()
+
+
+def _bounce(n: int) -> memoryview:
+    """A reusable buffer of ``n`` bytes for this thread (hashing reads into it)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = memoryview(bytearray(n))
+    return buf[:n]
