@@ -31,6 +31,16 @@ from safeckpt.integrations.hf import SafeckptTrainerMixin, with_safeckpt  # noqa
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():  # noqa: ANN202
+    """Accelerate keeps process-wide singletons; leave none behind for other tests."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def _args(out: str, **kw: object) -> TrainingArguments:
     base = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, save_steps=2,
                 save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1,
@@ -96,17 +106,12 @@ def test_per_rank_sigterm_handler_of_trainer_is_refused(tmp_path) -> None:
 
 def test_deepspeed_under_trainer_is_refused(tmp_path, monkeypatch) -> None:
     pytest.importorskip("deepspeed")
-    from accelerate.state import AcceleratorState
-
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)  # TrainingArguments sets it
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 1}}
-    try:
-        with pytest.raises(safeckpt.CheckpointError, match="DeepSpeed is enabled"):
-            _trainer(str(tmp_path), deepspeed=ds)
-    finally:
-        AcceleratorState._reset_state(True)  # the process-wide state now says DeepSpeed
+    with pytest.raises(safeckpt.CheckpointError, match="DeepSpeed is enabled"):
+        _trainer(str(tmp_path), deepspeed=ds)
 
 
 # ----------------------------------------------------------------------------- Accelerate
