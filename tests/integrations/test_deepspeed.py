@@ -67,6 +67,10 @@ def _resume_then_save_resave_export(rank: int, world: int, root: str, resume: in
             res["fallback"] = _check_fallback(d, rank, s2)
         if stage == 1:
             res["16bit"] = _check_16bit(a, f"{root}/16bit", rank)
+            # a directory of stock DeepSpeed tags: refused (it needs unpickling), then migrated
+            res["stock_refused"] = dist_harness.attempt(lambda b=b, stock=stock: b.load_checkpoint(stock))
+            path, _ = sds.load_checkpoint(b, stock, allow_pickle=True)
+            res["stock_loaded"] = (os.path.basename(os.path.dirname(path)), app.differences(s4, app.snapshot(b)))
         if stage == 3:
             sds.install_on_initialize()  # the entry point for engines built by Trainer/Accelerate
             c = app.make_engine(stage, seed=3, install=False)
@@ -358,6 +362,9 @@ def test_zero_1_2_3_kill_resume_resave_export(tmp_path):
         assert v[3]["auto_installed"], "install_on_initialize did not install"
         n = v[3]["nvme"]
         assert n["published"] == n["index"] == ["a.swp", "sub/b.swp"] and n["restored"], n
+        assert "CheckpointNotFound" in v[1]["stock_refused"]["mro"], v[1]["stock_refused"]
+        assert "allow_pickle=True" in v[1]["stock_refused"]["msg"], v[1]["stock_refused"]
+        assert v[1]["stock_loaded"] == ("resave", []), v[1]["stock_loaded"]
     b16 = [v[1]["16bit"] for v in values]
     assert not b16[0]["bin"]["ok"] and "model.safetensors" in b16[0]["bin"]["msg"], b16[0]
     assert b16[1]["bin"]["ok"] and all(b["st"]["ok"] for b in b16), b16  # only rank 0 writes
