@@ -105,6 +105,7 @@ __all__ = [
 
 _NOT_PUBLISHED = "The tag was not published; the previous checkpoints and `latest` are intact."
 _ENTRY_RE = re.compile(r"^[^/@][^/]*$")
+_FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")  # what a checkpoint may name
 
 
 @dataclass
@@ -187,6 +188,9 @@ class SafeckptCheckpointEngine(CheckpointEngine):
                     f"DeepSpeed saved {path}, outside the tag directory {s.final}; safeckpt can only "
                     "publish files inside the tag atomically"
                 )
+            if not _FILE_RE.match(name):
+                raise CheckpointError(f"DeepSpeed saved a file named {name!r}; safeckpt indexes only "
+                                      "names of letters, digits and . _ - (no leading dot)")
             save_local(os.path.join(s.staging, name), _file_state(state_dict, name),
                        metadata={"deepspeed": {"file": name, "tag": s.tag, "rank": s.coord.rank}},
                        timeout=self.timeout)
