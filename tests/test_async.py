@@ -37,7 +37,7 @@ import os, re, sys, time
 import torch
 import torch.distributed as dist
 import safeckpt
-import safeckpt._save as _save
+import safeckpt._storage_posix as _posix
 
 mode, root, marks = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
@@ -49,7 +49,7 @@ start = mgr.restore(state) or 0
 assert start == 0 or (state["step"] == start and bool((state["model"]["w"] == start).all()))
 print(f"rank {rank} resumed {start}", flush=True)
 final = start + 4
-real_write = _save.write_file
+real_write = _posix.write_file
 
 def slow_write(path, items, metadata):
     step = int(re.search(r"step-(\d+)", path).group(1))
@@ -62,7 +62,7 @@ def slow_write(path, items, metadata):
         f.write(repr(time.time()))
     return out
 
-_save.write_file = slow_write
+_posix.write_file = slow_write
 for step in range(start + 1, final + 1):
     for t in state["model"].values():
         t.fill_(step)
@@ -156,9 +156,9 @@ INJECTED = "No space left on device (injected on rank 1)"
 
 def _patch_writer(rank, delays, failing):
     """Make the background write of step s sleep ``delays[s]``; fail on rank 1 for ``failing``."""
-    import safeckpt._save as _save
+    import safeckpt._storage_posix as _posix
 
-    real = _save.write_file
+    real = _posix.write_file
 
     def write(path, items, metadata):
         step = int(re.search(r"step-(\d+)", path).group(1))
@@ -167,7 +167,7 @@ def _patch_writer(rank, delays, failing):
             raise OSError(28, INJECTED)
         return real(path, items, metadata)
 
-    _save.write_file = write
+    _posix.write_file = write
 
 
 def _async_errors_snapshot_overlap(rank, world, root):

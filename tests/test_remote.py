@@ -24,11 +24,14 @@ from fsspec.utils import stringify_path
 from torch import nn
 
 import safeckpt
-from safeckpt import _remote, cli
+from safeckpt import _commit, cli
 from safeckpt._catalog import scan
 from safeckpt._manifest import MANIFEST
+from safeckpt._rangedfile import RemoteFile
 from safeckpt._reader import TensorReader, open_manifest
 from safeckpt._shardfile import write_file
+from safeckpt._storage import storage_for
+from safeckpt._storage_fsspec import FsspecStorage
 from tests import dist_harness
 
 PROTO = "objtest"
@@ -78,15 +81,15 @@ def _url(p: Path) -> str:
     return f"{PROTO}://{p}"
 
 
-def _state(version: float, rank: int = 0, big: bool = False) -> dict:
+def _state(version: float, rank: int = 0, mib: int = 0) -> dict:
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(version)
     state = {"model": model, "version": version, "rng": safeckpt.RNGState()}
-    if big:  # 8 MiB: cut into row ranges written by both ranks
-        state["big"] = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024) + version
+    if mib:  # a replicated tensor large enough to be cut into row ranges written by both ranks
+        state["big"] = torch.arange(mib << 18, dtype=torch.float32).reshape(-1, 1024) + version
     return state
 
 
@@ -108,13 +111,13 @@ def _files_under(local: Path) -> list[str]:
 def _roundtrip(rank: int, world: int, base: str) -> dict:
     out: dict = {}
     plain = f"{base}/plain"
-    st = _state(1.0, rank, big=True)
+    st = _state(1.0, rank, mib=8)
     torch.manual_seed(100 + rank)  # per-rank RNG state differs
     expect_rand = None
     info = safeckpt.save(plain, st, metadata={"run": "a"})
     out["plain_path"] = info.path
     expect_rand = torch.rand(3).tolist()  # what the restored RNG must produce
-    st2 = _state(0.0, rank, big=True)
+    st2 = _state(0.0, rank, mib=8)
     torch.manual_seed(999)
     safeckpt.load(plain, st2)
     out["plain_ok"] = (
@@ -171,13 +174,13 @@ def test_two_ranks_save_load_manager_retention_async(tmp_path):
 def _die_mid_upload() -> None:
     """Patch this worker so that its next data upload stops half-way with a SIGKILL."""
 
-    def dying(loc, items, metadata):
-        f = loc.fs.open(loc.path, "wb")
+    def dying(self, path, items, metadata):
+        f = self.fs.open(self._path(path), "wb")
         f.write(b"\0" * 4096)
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _remote.write_object = dying
+    FsspecStorage.write = dying
 
 
 def _overwrite_then_die(rank: int, world: int, run: str) -> None:
@@ -210,7 +213,7 @@ def test_kill_mid_write_leaves_nothing_visible_and_old_checkpoints_load(tmp_path
     assert _model_value(f"{run}/step-0000000002") == 2.0
     referenced = set(open_manifest(f"{run}/step-0000000002")["files"])
     strays = [n for n in _files_under(local / "step-0000000002") if n != MANIFEST and n not in referenced]
-    assert strays and all(_remote.TOKEN_FILE.match(n) for n in strays)
+    assert strays and all(_commit.TOKEN_FILE.match(n) for n in strays)
     assert [(e.status, e.files) for e in scan(run) if e.step == 2] == [
         ("committed", ()), ("staging", tuple(sorted(strays)))]
 
@@ -271,11 +274,12 @@ def test_stream_writer_bytes_match_local_writer(tmp_path):
     items = [("a", torch.arange(10, dtype=torch.int16)), ("b", torch.randn(3, 5)),
              ("c", torch.tensor(True)), ("d", torch.randn(7, dtype=torch.float64))]
     local = write_file(str(tmp_path / "x.safetensors"), items, {"format": "safeckpt"})
-    loc = _remote.locate("memory://safeckpt-test/w/x.safetensors")
-    remote = _remote.write_object(loc, items, {"format": "safeckpt"})
+    url = "memory://safeckpt-test/w/x.safetensors"
+    store = storage_for(url)
+    remote = store.write(url, items, {"format": "safeckpt"})
     assert remote == local
-    assert loc.fs.cat_file(loc.path) == (tmp_path / "x.safetensors").read_bytes()
-    loc.fs.rm_file(loc.path)
+    assert store.read(url, 1 << 20) == (tmp_path / "x.safetensors").read_bytes()
+    store.delete(url)
 
 
 def test_partial_reads_fetch_only_the_rows_needed(tmp_path, monkeypatch):
@@ -283,27 +287,32 @@ def test_partial_reads_fetch_only_the_rows_needed(tmp_path, monkeypatch):
     big = torch.arange(2048 * 1024, dtype=torch.float32).reshape(2048, 1024)
     safeckpt.save(url, {"big": big})
     fetched: list[int] = []
-    real = _remote.RemoteFile._fetch
+    real = RemoteFile._fetch
 
-    def spy(self, start, end):
-        fetched.append(end - start)
-        return real(self, start, end)
+    def spy(self, ranges):
+        fetched.extend(hi - lo for lo, hi in ranges)
+        return real(self, ranges)
 
-    monkeypatch.setattr(_remote.RemoteFile, "_fetch", spy)
-    unverified = TensorReader(url, open_manifest(url), verify=False)
+    monkeypatch.setattr(RemoteFile, "_fetch", spy)
+    man = open_manifest(url)
+    (name,) = man["files"]
+    size = man["files"][name]["size"]
+    unverified = TensorReader(url, man, rank=1, verify=False)  # rank 1: nothing of it is "likely"
     part = torch.empty(1024, 1024)
     unverified.fill_box("big", part, [[100, 0], [1024, 1024]])
     assert torch.equal(part, big[100:1124])
-    assert sum(fetched) == 1024 * 1024 * 4  # those rows only, not the 8 MiB chunk
+    header = size - big.numel() * 4
+    assert sum(fetched) == 1024 * 1024 * 4 + min(size, 4 << 20)  # the header window, then those rows only
     fetched.clear()
-    # Verified (the default): the chunk is fetched whole once to check its checksum before
-    # anything is copied, and the copies are served from it, not fetched again.
-    reader = TensorReader(url, open_manifest(url))
+    # Verified (the default): the chunk is fetched whole once (with the rest of the file after
+    # the header's window) to check its checksum before anything is copied; the copies are
+    # served from it.
+    reader = TensorReader(url, man)
     part = torch.empty(1024, 1024)
     reader.fill_box("big", part, [[100, 0], [1024, 1024]])
     assert torch.equal(part, big[100:1124])
     whole = reader.new("big")
-    assert torch.equal(whole, big) and sum(fetched) == big.numel() * 4
+    assert torch.equal(whole, big) and sum(fetched) == size and header > 0
     reader.close()
 
 
@@ -313,17 +322,16 @@ def test_overwrite_keeps_old_checkpoint_readable_until_manifest_lands(tmp_path, 
     safeckpt.save(url, _state(1.0))
     old_files = set(open_manifest(url)["files"])
     seen = {}
-    real_put = _remote._put
+    real_publish = _commit.publish
 
-    def checking_put(loc, data, *, exclusive=False):
-        if loc.path.endswith(MANIFEST):  # the commit point: new data is written, old manifest in place
-            seen["before"] = _model_value(url)
-            seen["present"] = _files_under(local)
-        real_put(loc, data, exclusive=exclusive)
-        if loc.path.endswith(MANIFEST):
-            seen["after"] = _model_value(url)
+    def checking_publish(store, staging, final, manifest, *, replace):
+        # the commit point: new data is written, old manifest in place
+        seen["before"] = _model_value(url)
+        seen["present"] = _files_under(local)
+        real_publish(store, staging, final, manifest, replace=replace)
+        seen["after"] = _model_value(url)
 
-    monkeypatch.setattr(_remote, "_put", checking_put)
+    monkeypatch.setattr(_commit, "publish", checking_publish)
     safeckpt.save(url, _state(2.0), overwrite=True)
     assert seen["before"] == 1.0 and seen["after"] == 2.0
     assert old_files < set(seen["present"])  # both generations existed side by side
@@ -337,13 +345,13 @@ def test_failed_save_removes_its_objects_and_keeps_the_old(tmp_path, monkeypatch
     url = _url(local)
     safeckpt.save(url, _state(1.0))
     before = _files_under(local)
-    real = _remote.write_object
+    real = FsspecStorage.write
 
-    def failing(loc, items, metadata):
-        real(loc, items, metadata)
+    def failing(self, path, items, metadata):
+        real(self, path, items, metadata)
         raise OSError("upload failed: simulated")
 
-    monkeypatch.setattr(_remote, "write_object", failing)
+    monkeypatch.setattr(FsspecStorage, "write", failing)
     with pytest.raises(safeckpt.RankFailure, match="simulated"):
         safeckpt.save(url, _state(2.0), overwrite=True)
     assert _files_under(local) == before

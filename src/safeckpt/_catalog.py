@@ -1,22 +1,28 @@
 """What is under a checkpoint root: committed steps, leftovers, and things we do not own.
 
-Read-only and lock-free: any process may scan a root at any time. A directory counts as a
-committed checkpoint only if its name is a step name and it holds a valid manifest; publication
-is one atomic rename, so a reader never sees a partial one. Staging and trash directories are
-hidden (leading dot) and recognised by their markers; anything else is *foreign* and is never
-touched by retention or gc.
+Read-only and lock-free: any process may scan a root at any time, on any storage (only the
+:class:`~safeckpt._storage.Storage` interface is used). A directory (prefix) counts as a
+committed checkpoint only if its name is a step name and it holds a valid manifest. Leftovers
+of interrupted saves are recognised by name: hidden staging and trash directories (POSIX), data
+objects with a save token that no manifest names, and unfinished uploads of such objects
+(object stores). Anything else is *foreign* and is never touched by retention or gc.
+
+A scan runs concurrently with a writer that publishes new checkpoints and retention that
+deletes old ones (after the new one is committed). If something vanished while we looked, or
+new names appeared, the listing is stale and may miss the checkpoint that replaced the old one,
+so we list again: a reader never reports "no checkpoint" while one exists.
 """
 
 from __future__ import annotations
 
-import os
+import os  # noqa: F401 - tests reach os.listdir through this module
 import re
 from dataclasses import dataclass
 
-from ._commit import remove_tree
-from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo, read_manifest
-from ._storage import is_remote
-from .errors import CheckpointError
+from ._commit import TOKEN_FILE, named_files
+from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
+from ._storage import Storage, Upload, storage_for
+from .errors import CheckpointError, CheckpointNotFound
 
 STEP_PREFIX = "step-"
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
@@ -35,7 +41,7 @@ def parse_step(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class Entry:
-    """One directory under a root and what we make of it."""
+    """One directory (prefix) under a root and what we make of it."""
 
     name: str
     path: str
@@ -43,99 +49,174 @@ class Entry:
     step: int | None
     info: CheckpointInfo | None = None
     problem: str = ""
-    files: tuple[str, ...] = ()  # object-store leftovers: the stray objects (see _remote.scan)
+    files: tuple[str, ...] = ()  # object-store leftovers: the stray data objects
+    uploads: tuple[Upload, ...] = ()  # object-store leftovers: unfinished uploads
 
 
-def scan(root: str, attempts: int = 10) -> list[Entry]:
-    """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent.
-
-    Lock-free against a concurrent writer: if an entry vanished between the listing and its
-    inspection (a staging dir just published, an old checkpoint just moved aside by retention),
-    the listing is stale and may miss the checkpoint that replaced it, so we list again.
-    A remote root (fsspec URL) is scanned by :func:`safeckpt._remote.scan`.
-    """
-    if is_remote(root):
-        from ._remote import scan as remote_scan
-
-        return remote_scan(root)
-    for _ in range(attempts - 1):
-        out = _scan_once(root)
-        if out is not None:
-            return out
-    return _scan_once(root, retry=False) or []
+class _Stale(Exception):
+    """The listing changed while we looked at it."""
 
 
-def _scan_once(root: str, retry: bool = True) -> list[Entry] | None:
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
+def scan(root: str, attempts: int = 10, store: Storage | None = None, *, leftovers: bool = True) -> list[Entry]:
+    """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent
+    (CheckpointNotFound if its bucket is). ``leftovers=False`` skips the search for stray
+    objects and unfinished uploads (object stores)."""
+    store = store or storage_for(root)
+    for i in range(attempts):
+        try:
+            return _scan_once(store, root, leftovers, last=i == attempts - 1)
+        except _Stale:
+            continue
+    return []  # pragma: no cover - the last attempt never raises _Stale
+
+
+def _scan_once(store: Storage, root: str, leftovers: bool, last: bool) -> list[Entry]:
+    items = store.list(root)
+    if items is None:
         return []
     out: list[Entry] = []
-    for name in sorted(names):
-        path = os.path.join(root, name)
-        if not os.path.isdir(path) or os.path.islink(path):
-            if retry and not os.path.lexists(path):
-                return None  # vanished while we looked
+    for item in sorted(items, key=lambda i: i.name):
+        if item.kind == "gone" and not last:
+            raise _Stale
+        if item.kind != "dir":
             continue
-        leftover = _LEFTOVER_RE.match(name)
-        if leftover:
-            kind = "staging" if leftover.group(2) == STAGING_MARK else "trash"
-            out.append(Entry(name, path, kind, parse_step(leftover.group(1))))
+        path = store.join(root, item.name)
+        left = _LEFTOVER_RE.match(item.name)
+        if left:
+            kind = "staging" if left.group(2) == STAGING_MARK else "trash"
+            out.append(Entry(item.name, path, kind, parse_step(left.group(1))))
             continue
-        step = parse_step(name)
-        if step is None:
+        step = parse_step(item.name)
+        if step is None and (store.renames or not leftovers):
             continue  # foreign: not ours, never touched
-        if not os.path.isfile(os.path.join(path, MANIFEST)):
-            if retry and not os.path.lexists(path):
-                return None
-            out.append(Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}"))
-            continue
-        try:
-            man = read_manifest(path)
-        except FileNotFoundError:
-            if retry:
-                return None
-            continue  # deleted while we looked
-        except (CheckpointError, OSError) as exc:
-            out.append(Entry(name, path, "corrupt", step, problem=str(exc)))
-            continue
-        out.append(Entry(name, path, "committed", step, CheckpointInfo.from_manifest(path, man)))
+        out += _inspect(store, item.name, path, step, leftovers, last)
+    if leftovers:
+        out = _with_uploads(store, root, out)
+    if not store.renames and not last:
+        # Objects cannot vanish atomically: retention deletes a manifest, then the objects.
+        # If a new checkpoint appeared meanwhile, this listing may have missed it.
+        again = store.list(root) or []
+        if {i.name for i in again if i.kind == "dir"} != {i.name for i in items if i.kind == "dir"}:
+            raise _Stale
     out.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
     return out
 
 
-def leftovers(root: str) -> list[Entry]:
-    """Staging/trash leftovers only: on a local root, from names alone (no manifest is read, so
-    the sweep before every save stays cheap however many checkpoints are kept)."""
-    if is_remote(root):
-        return [e for e in scan(root) if e.status in ("staging", "trash")]
+def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: bool, last: bool) -> list[Entry]:
+    """The entries for one directory (prefix): the checkpoint, and its stray objects."""
     try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
+        man = store.read_manifest(path)
+    except CheckpointNotFound:  # no manifest: never written, or deleted while we looked
+        present = store.list(path)
+        if present is None:
+            if not last:
+                raise _Stale from None
+            return []
+        ours = tuple(sorted(i.name for i in present if TOKEN_FILE.match(i.name)))
+        if ours:
+            return [Entry(name, path, "staging", step, files=ours)]
+        if step is not None:
+            return [Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}")]
         return []
+    except (CheckpointError, OSError) as exc:
+        return [Entry(name, path, "corrupt", step, problem=str(exc))] if step is not None else []
     out = []
-    for name in names:
-        m = _LEFTOVER_RE.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isdir(path) and not os.path.islink(path):
-            kind = "staging" if m.group(2) == STAGING_MARK else "trash"
-            out.append(Entry(name, path, kind, parse_step(m.group(1))))
+    if step is not None:
+        out.append(Entry(name, path, "committed", step, CheckpointInfo.from_manifest(path, man)))
+    if leftovers and not store.renames:
+        stray = tuple(sorted(i.name for i in store.list(path) or () if TOKEN_FILE.match(i.name)
+                             and i.name not in man["files"]))
+        if stray:
+            out.append(Entry(name, path, "staging", step, files=stray))
     return out
 
 
-def committed(root: str) -> list[Entry]:
-    if is_remote(root):
-        from ._remote import scan as remote_scan
+def _with_uploads(store: Storage, root: str, entries: list[Entry]) -> list[Entry]:
+    """Unfinished uploads of data objects directly below the root, merged into the staging
+    entry of their directory (or one of their own)."""
+    found: dict[str, list[Upload]] = {}
+    for u in store.uploads(root):
+        rel = u.path[len(root) + 1 :] if u.path.startswith(root + "/") else ""
+        parts = rel.split("/")
+        if len(parts) == 2 and TOKEN_FILE.match(parts[1]):
+            found.setdefault(parts[0], []).append(u)
+    if not found:
+        return entries
+    out = []
+    for e in entries:
+        if e.status == "staging" and e.name in found:
+            e = Entry(e.name, e.path, e.status, e.step, files=e.files, uploads=tuple(found.pop(e.name)))
+        out.append(e)
+    for name, ups in found.items():
+        out.append(Entry(name, store.join(root, name), "staging", parse_step(name), uploads=tuple(ups)))
+    return out
 
-        return [e for e in remote_scan(root, leftovers=False) if e.status == "committed"]
-    return [e for e in scan(root) if e.status == "committed"]
+
+def leftovers(root: str, store: Storage | None = None) -> list[Entry]:
+    """Staging/trash leftovers only. On a POSIX root, from names alone (no manifest is read,
+    so the sweep before every save stays cheap however many checkpoints are kept)."""
+    store = store or storage_for(root)
+    if not store.renames:
+        return [e for e in scan(root, store=store) if e.status in ("staging", "trash")]
+    out = []
+    for item in store.list(root) or ():
+        m = _LEFTOVER_RE.match(item.name)
+        if m and item.kind == "dir":
+            kind = "staging" if m.group(2) == STAGING_MARK else "trash"
+            out.append(Entry(item.name, store.join(root, item.name), kind, parse_step(m.group(1))))
+    return sorted(out, key=lambda e: e.name)
 
 
-def remove_entry(entry: Entry) -> None:
+def committed(root: str, store: Storage | None = None) -> list[Entry]:
+    return [e for e in scan(root, store=store, leftovers=False) if e.status == "committed"]
+
+
+def remove_entry(entry: Entry, store: Storage | None = None) -> None:
     """Delete a leftover or a committed checkpoint so that it never looks committed half-way."""
-    if is_remote(entry.path):
-        from ._remote import remove
+    store = store or storage_for(entry.path)
+    if entry.files or entry.uploads:
+        for name in entry.files:
+            store.delete(store.join(entry.path, name))
+        for upload in entry.uploads:
+            store.abort(upload)
+        return
+    if store.renames:
+        store.delete_tree(entry.path)  # renamed aside first
+        return
+    # The manifest first (the checkpoint stops being committed at once), then only its objects.
+    named = named_files(store, entry.path)
+    store.delete(store.join(entry.path, MANIFEST))
+    for item in sorted(store.list(entry.path) or (), key=lambda i: i.name):
+        if item.name in named or TOKEN_FILE.match(item.name):
+            store.delete(store.join(entry.path, item.name))
 
-        remove(entry)
-    else:
-        remove_tree(entry.path)
+
+def entry_nbytes(entry: Entry, store: Storage | None = None) -> int:
+    """Bytes an entry occupies: its listed objects and unfinished uploads, or all it holds."""
+    store = store or storage_for(entry.path)
+    sizes: dict[str, int] = {}
+    for item in store.list(entry.path) or ():
+        sizes[item.name] = item.size if item.kind == "file" else 0
+    if entry.files or entry.uploads:
+        return sum(sizes.get(n, 0) for n in entry.files) + sum(u.nbytes for u in entry.uploads)
+    return sum(sizes.values())
+
+
+def unmanaged(root: str, known: set[str], store: Storage | None = None) -> list[Entry]:
+    """Checkpoints under ``root`` with names the manager does not use (for `safeckpt ls`)."""
+    store = store or storage_for(root)
+    found = []
+    for item in sorted(store.list(root) or (), key=lambda i: i.name):
+        if item.kind != "dir" or item.name in known or item.name.startswith("."):
+            continue
+        path = store.join(root, item.name)
+        try:
+            man = store.read_manifest(path)
+        except CheckpointNotFound:
+            continue
+        except (CheckpointError, OSError) as exc:
+            found.append(Entry(item.name, path, "corrupt", None, problem=str(exc)))
+            continue
+        info = CheckpointInfo.from_manifest(path, man)
+        found.append(Entry(item.name, path, "committed", info.step, info))
+    return found

@@ -1,125 +1,193 @@
-"""Make a checkpoint directory appear atomically, or not at all (single process; no collectives).
+"""Make a checkpoint appear atomically, or not at all: the steps of one save on any storage.
 
-The coordinator writes the manifest into the staging directory, fsyncs it, then publishes the
-directory with one rename and fsyncs the parent. ``renameat2(RENAME_NOREPLACE)`` makes "publish
-only if nothing is there" atomic (a plain rename silently replaces an empty directory); for
-``overwrite=True``, ``RENAME_EXCHANGE`` swaps old and new in one step, so the old checkpoint is
-never removed before the new one is visible. Where renameat2 is unavailable we fall back to
-plain renames with the old checkpoint moved aside first (never deleted before the new one is in
-place).
+Single-process functions; ``safeckpt._save`` runs each as a collective phase. Only the
+:class:`~safeckpt._storage.Storage` interface is used, so the same steps serve a local
+directory and an object store:
+
+1. begin   (coordinator)  check the target (an existing checkpoint needs ``overwrite``; anything
+                          that is not a checkpoint is never replaced), draw the save's token and
+                          let the storage prepare the staging place (a hidden directory on POSIX,
+                          nothing on an object store, where files carry the token instead).
+2. probe   (all ranks)    every rank checks that it sees that place before anything is written:
+                          ranks on other machines with their own local disks fail here, at the
+                          first save, with a message saying what to use instead.
+3. write   (all ranks)    stream this rank's file, hashed while written.
+4. commit  (coordinator)  check every rank's file arrived with the size it reported, then
+                          ``publish``: the manifest and the atomic step that makes the save
+                          visible (rename on POSIX, the manifest PUT itself on an object store).
+                          After an object-store overwrite, the objects only the replaced
+                          manifest named are deleted.
+5. discard (coordinator, after a failure) remove what the save wrote and abort its unfinished
+                          uploads; never raises (what it cannot remove is swept later).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
-import os
-import shutil
+import json
+import re
+import shutil  # noqa: F401 - tests reach shutil.rmtree through this module
+import time
 import uuid
+import warnings
 from typing import Any
 
-from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, is_staging_name
+from ._manifest import MANIFEST, max_manifest_bytes
+from ._storage import Storage
 
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
+# Kept importable from here (older callers): the POSIX helpers.
+from ._storage_posix import fsync_dir, is_committed, remove_tree, write_bytes_atomic  # noqa: F401
+from .errors import CheckpointError, CheckpointExists, SafeckptWarning
 
-_libc: Any = None
-
-
-def _renameat2(src: str, dst: str, flags: int) -> bool:
-    """Call renameat2; False if the platform or filesystem does not support it."""
-    global _libc
-    if _libc is None:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            fn = lib.renameat2
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _libc = fn
-        except (OSError, AttributeError, TypeError):
-            _libc = False
-    if _libc is False:
-        return False
-    rc = _libc(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), dst)
+TOKEN_FILE = re.compile(r"^rank-(\d{5})\.([0-9a-f]{12})\.safetensors$")
+PROBE_WAIT = 5.0  # seconds a rank waits to see the staging place (NFS attribute caches)
+NOT_SHARED = (
+    "safeckpt needs one checkpoint location that every rank reads and writes: a shared "
+    "filesystem (NFS, Lustre, GPFS, ...) mounted at the same path on every node, or an object "
+    "store (s3://bucket/prefix, gs://...). Node-local disks are not supported."
+)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some filesystems refuse fsync on directories
-        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
+def begin(store: Storage, target: str, overwrite: bool) -> dict[str, str]:
+    """Coordinator: check ``target``, prepare the staging place; returns what every rank needs
+    (``token``, ``path``), as JSON."""
+    _check_target(store, target, overwrite)
+    token = uuid.uuid4().hex[:12]
+    return {"token": token, "path": store.stage(target, token)}
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to a sibling temp file, fsync, rename over ``path``, fsync the directory."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def is_committed(path: str) -> bool:
-    """A published checkpoint: a non-staging directory holding a manifest."""
-    name = os.path.basename(os.path.normpath(path))
-    return not is_staging_name(name) and os.path.isfile(os.path.join(path, MANIFEST))
-
-
-def new_staging_dir(final: str) -> str:
-    parent, name = os.path.split(os.path.normpath(final))
-    staging = os.path.join(parent, f".{name}{STAGING_MARK}{uuid.uuid4().hex[:12]}")
-    os.mkdir(staging)
-    fsync_dir(parent)
-    return staging
-
-
-def publish(staging: str, final: str, *, replace: bool) -> None:
-    """Atomically make ``staging`` visible as ``final``; with ``replace``, swap out the old one."""
-    parent = os.path.dirname(os.path.normpath(final))
-    fsync_dir(staging)
-    if replace and os.path.exists(final):
-        if _renameat2(staging, final, RENAME_EXCHANGE):
-            # ``staging`` now holds the old checkpoint.
-            fsync_dir(parent)
-            remove_tree(staging)
+def _check_target(store: Storage, target: str, overwrite: bool) -> None:
+    items = store.list(target)
+    files = {i.name for i in items or () if i.kind == "file"}
+    if store.renames:  # a directory published by rename: anything at the path is in the way
+        if items is None and store.size(target) is None:
             return
-        aside = os.path.join(parent, f".{os.path.basename(final)}{TRASH_MARK}{uuid.uuid4().hex[:12]}")
-        os.rename(final, aside)
-        os.rename(staging, final)
-        fsync_dir(parent)
-        remove_tree(aside)
+        if not overwrite:
+            raise _exists(target)
+        if items is None or (items and MANIFEST not in files):
+            raise CheckpointExists(
+                f"{target} exists and is not a safeckpt checkpoint; refusing to replace "
+                "it even with overwrite=True. Move it away or choose another path."
+            )
         return
-    if not _renameat2(staging, final, RENAME_NOREPLACE):
-        if os.path.lexists(final):
-            raise FileExistsError(errno.EEXIST, "destination exists", final)
-        os.rename(staging, final)
-    fsync_dir(parent)
+    # Objects: a prefix exists only through its objects; token-named ones without a manifest
+    # are leftovers of interrupted saves, not in the way.
+    if MANIFEST in files:
+        if not overwrite:
+            raise _exists(target)
+        return
+    foreign = sorted(n for n in files if not TOKEN_FILE.match(n))
+    if foreign:
+        raise CheckpointExists(
+            f"{target} holds objects that are not a safeckpt checkpoint "
+            f"({', '.join(foreign[:5])}); refusing to write there even with "
+            "overwrite=True. Choose another path."
+        )
 
 
-def remove_tree(path: str) -> None:
-    """Delete a directory so it never looks committed half-way: rename aside, then delete."""
-    parent, name = os.path.split(os.path.normpath(path))
-    if not name.startswith(".") or TRASH_MARK not in name:
-        aside = os.path.join(parent, f".{name.lstrip('.')}{TRASH_MARK}{uuid.uuid4().hex[:12]}")
+def _exists(target: str) -> CheckpointExists:
+    return CheckpointExists(
+        f"{target} already exists. Pass overwrite=True to replace it atomically, "
+        "or save under a new name (CheckpointManager names steps for you)."
+    )
+
+
+def probe(store: Storage, staging: dict[str, str], rank: int, wait: float = PROBE_WAIT) -> None:
+    """Every rank: raise unless this process sees the staging place rank 0 prepared."""
+    deadline = time.monotonic() + wait
+    while not store.sees(staging["path"]):
+        if time.monotonic() >= deadline:
+            raise CheckpointError(
+                f"rank {rank} does not see {staging['path']}, which rank 0 created {wait:g}s ago: "
+                f"the ranks do not share the checkpoint directory. {NOT_SHARED}"
+            )
+        time.sleep(0.1)
+
+
+def write(store: Storage, staging: dict[str, str], rank: int, items: Any, metadata: dict[str, str]) -> tuple[str, Any]:
+    """This rank's data file: (its name, the WrittenFile)."""
+    fname = store.data_name(rank, staging["token"])
+    return fname, store.write(store.join(staging["path"], fname), items, metadata)
+
+
+def check_written(store: Storage, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any]:
+    """Coordinator: every rank's file is there with the size it reported; the manifest's
+    ``files`` table."""
+    files: dict[str, Any] = {}
+    where = staging["path"]
+    for r, w in enumerate(written):
+        actual = store.size(store.join(where, w["file"]))
+        if actual is None:
+            raise CheckpointError(
+                f"rank {r} wrote {w['file']} but the coordinator (rank 0) cannot see it in "
+                f"{where}. {NOT_SHARED}"
+            )
+        if actual != w["size"]:
+            raise CheckpointError(
+                f"rank {r}'s file {w['file']} has {actual} bytes in {where} but rank {r} wrote "
+                f"{w['size']}: the storage lost or replaced it (is it shared by all ranks?)"
+            )
+        files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
+    return files
+
+
+def commit(store: Storage, target: str, staging: dict[str, str], manifest: bytes, *, overwrite: bool,
+           files: dict[str, Any]) -> None:
+    """Coordinator: publish the save (the commit point); then drop what it replaced."""
+    old = named_files(store, target) if overwrite and not store.renames else set()
+    try:
+        publish(store, staging["path"], target, manifest, replace=overwrite)
+    except FileExistsError:
+        raise CheckpointExists(
+            f"{target} appeared while saving (another job writing the same path?); "
+            "nothing was replaced."
+        ) from None
+    # Committed. The replaced checkpoint's objects are garbage now; a failure to delete them
+    # leaves leftovers for the next sweep, never an error.
+    for name in sorted(old - set(files)):
         try:
-            os.rename(path, aside)
-        except FileNotFoundError:
+            store.delete(store.join(target, name))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def publish(store: Storage, staging: str, final: str, manifest: bytes, *, replace: bool) -> None:
+    """The commit point: after it the checkpoint is visible and complete."""
+    store.publish(staging, final, manifest, replace=replace)
+
+
+def named_files(store: Storage, ckpt: str) -> set[str]:
+    """Files the current manifest at ``ckpt`` names (empty if it has none or it is unreadable)."""
+    raw = store.read(store.join(ckpt, MANIFEST), max_manifest_bytes() + 1)
+    if raw is None:
+        return set()
+    try:
+        return {str(n) for n in json.loads(raw).get("files", {})}
+    except (ValueError, AttributeError):
+        return set()
+
+
+def discard(store: Storage, target: str, staging: dict[str, str]) -> None:
+    """Coordinator, after a failed save: remove what it wrote (unless its manifest landed) and
+    abort its unfinished uploads. Never raises: this runs while an error is being reported,
+    and what it cannot remove (the storage may be what failed) is swept by the next save or
+    ``safeckpt gc``."""
+    try:
+        if store.renames:
+            store.delete_tree(staging["path"])
             return
-        path = aside
-    shutil.rmtree(path, ignore_errors=True)
+        token = staging["token"]
+        if any(token in n for n in named_files(store, target)):
+            return  # committed after all (e.g. a timeout after the PUT succeeded)
+        for item in store.list(target) or ():
+            m = TOKEN_FILE.match(item.name)
+            if m and m.group(2) == token:
+                store.delete(store.join(target, item.name))
+        for upload in store.uploads(target):
+            m = TOKEN_FILE.match(upload.path.rsplit("/", 1)[-1])
+            if m and m.group(2) == token:
+                store.abort(upload)
+    except Exception as exc:  # noqa: BLE001 - reported, never raised over the save's error
+        warnings.warn(
+            f"could not remove what the failed save to {target} wrote ({type(exc).__name__}: "
+            f"{exc}); the next save's sweep or `safeckpt gc` removes it.", SafeckptWarning, stacklevel=2,
+        )

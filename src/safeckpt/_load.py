@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from . import _optim
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
 from ._reader import TensorReader, local_box, open_manifest
-from ._storage import resolve
+from ._storage import Storage, resolve, storage_for
 from ._tree import (
     KEEP,
     PER_RANK_ATTR,
@@ -55,17 +55,20 @@ def load(
     strict: bool = True,
     timeout: float | None = None,
     verify_checksums: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Load the checkpoint at ``path`` into ``state`` in place (collective).
 
     With ``strict=False`` the intersection is loaded and the returned info's ``skipped`` lists
     what was left out. ``verify_checksums=False`` skips checksum verification for speed.
+    ``storage_options``: the fsspec filesystem's options for a URL ``path``.
     """
     target = resolve(path)
     coord = Coordinator(timeout, what=f"load from {target}")
+    store = storage_for(target, storage_options, timeout=coord.timeout)
 
     def _open() -> dict[str, Any]:
-        return {"path": target, "manifest": open_manifest(target) if coord.is_coordinator else None}
+        return {"path": target, "manifest": open_manifest(target, store) if coord.is_coordinator else None}
 
     opened = coord.run("open", _open)
     bad = [f"rank {r} was called with path {o['path']!r}" for r, o in enumerate(opened) if o["path"] != target]
@@ -75,7 +78,7 @@ def load(
             + "; ".join(bad)
         )
     manifest = opened[0]["manifest"]
-    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size)
+    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size, store)
     unchanged = "Nothing was loaded; the state is unchanged."
     try:
         coord.run("plan", job.plan, hint=unchanged)
@@ -102,14 +105,14 @@ def _roll_back(state: MutableMapping[str, Any], backups: dict[str, Any], names: 
 
 class _LoadJob:
     def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
-                 strict: bool, rank: int, verify: bool, world_size: int = 1) -> None:
+                 strict: bool, rank: int, verify: bool, world_size: int = 1, store: Storage | None = None) -> None:
         self.dir = ckpt_dir
         self.man = man
         self.state = state
         self.strict = strict
         self.rank = rank
         self.world_size = world_size
-        self.reader = TensorReader(ckpt_dir, man, rank=rank, verify=verify)
+        self.reader = TensorReader(ckpt_dir, man, rank=rank, verify=verify, store=store)
         self.skipped: list[str] = []
         self.targets: dict[str, dict[str, Leaf]] = {}
         self.trees: dict[str, Any] = {}

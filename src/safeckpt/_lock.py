@@ -1,11 +1,18 @@
 """A writer lease on a checkpoint root, so two jobs never interleave checkpoints in one root.
 
 Only the coordinator of a job takes it, at its first save; readers never do. The lease is a
-small JSON file created with O_EXCL, naming the holder (run id, host, pid) and refreshed by a
-heartbeat thread that only touches this file (no collectives). A holder counts as gone when it
-is on this host and its pid is dead, when its heartbeat is older than the lease, or when it is
-an earlier incarnation of the same torchrun job (same TORCHELASTIC_RUN_ID). A stale lease is
-taken over by renaming it aside first, so two contenders cannot both win.
+small JSON record at ``ROOT/.safeckpt.lock`` naming the holder (run id, host, pid, a nonce),
+created only if absent and refreshed by a heartbeat thread that touches only this record (no
+collectives). A holder counts as gone when it is on this host and its pid is dead, when its
+heartbeat is older than the lease, or when it is an earlier incarnation of the same torchrun job
+(same TORCHELASTIC_RUN_ID). A stale lease is taken over through the storage's ``take_over``
+(a rename aside on POSIX), so two contenders cannot both win.
+
+The storage primitives decide how strong this is: on POSIX the record is created with
+``O_EXCL`` and the heartbeat is its mtime; on an object store it is created with a conditional
+write where the store has one (else after an existence check) and the heartbeat time is written
+into the record. The holder reads the record back before trusting it, and every save re-checks
+that it still holds it. On a store without conditional writes this is best effort.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import time
 import uuid
 from typing import Any
 
-from ._storage import is_remote
+from ._storage import Storage, storage_for
 from .errors import CheckpointLocked
 
 LOCK_NAME = ".safeckpt.lock"
 DEFAULT_LEASE = 120.0
+MAX_RECORD = 1 << 16
 
 
 def default_run_id() -> str:
@@ -39,18 +47,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_lock(root: str) -> dict[str, Any] | None:
-    if is_remote(root):
-        from ._remote import read_lock as read_remote
-
-        return read_remote(root)
-    try:
-        with open(os.path.join(root, LOCK_NAME)) as f:
-            data = json.load(f)
-        data["age"] = time.time() - os.path.getmtime(os.path.join(root, LOCK_NAME))
-        return data
-    except (FileNotFoundError, json.JSONDecodeError, OSError):
+def read_lock(root: str, store: Storage | None = None) -> dict[str, Any] | None:
+    """The lease record on ``root`` with its ``age`` (seconds since the last heartbeat), or
+    None when there is none (or it cannot be read)."""
+    store = store or storage_for(root)
+    path = store.join(root, LOCK_NAME)
+    raw = store.read(path, MAX_RECORD)
+    if raw is None:
         return None
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            return None
+        data["age"] = store.age(path, data)
+        return data
+    except (ValueError, TypeError, OSError):
+        return None
+
+
+def break_lease(root: str, store: Storage | None = None) -> None:
+    """Remove the lease record, whoever holds it (``safeckpt gc --break-lock``)."""
+    store = store or storage_for(root)
+    store.take_over(store.join(root, LOCK_NAME))
 
 
 def locked_error(root: str, holder: dict[str, Any], lease: float) -> CheckpointLocked:
@@ -74,94 +92,103 @@ def holder_is_live(holder: dict[str, Any], lease: float = DEFAULT_LEASE) -> bool
 
 
 class RootLock:
-    """The writer lease on ``root`` held by this process."""
+    """The writer lease on ``root`` held by this process (any storage)."""
 
-    def __init__(self, root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE) -> None:
+    def __init__(self, root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE,
+                 store: Storage | None = None) -> None:
         self.root = root
-        self.path = os.path.join(root, LOCK_NAME)
+        self.store = store or storage_for(root)
+        self.path = self.store.join(root, LOCK_NAME)
         self.run_id = run_id or default_run_id()
         self.lease = lease
+        self.nonce = uuid.uuid4().hex
         self.held = False
+        self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
         return json.dumps({
             "run_id": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.time(), "lease": self.lease,
+            "started": self._started, "beat": time.time(), "lease": self.lease, "nonce": self.nonce,
         }).encode()
+
+    def _mine(self) -> bool | None:
+        """True if the record names us, False if someone else, None if there is none."""
+        holder = read_lock(self.root, self.store)
+        if holder is None:
+            return None
+        return holder.get("nonce") == self.nonce
 
     def acquire(self) -> None:
         if self.held:
             self.refresh()
             return
-        os.makedirs(self.root, exist_ok=True)
         for _ in range(5):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = read_lock(self.root)
-                if holder is None:
-                    time.sleep(0.05)  # being written or replaced right now
-                    continue
+            holder = read_lock(self.root, self.store)
+            if holder is not None:
                 same_job = holder.get("run_id") == self.run_id and "TORCHELASTIC_RUN_ID" in os.environ
-                if holder_is_live(holder, self.lease) and not same_job:
-                    raise locked_error(self.root, holder, self.lease) from None
-                aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
-                try:
-                    os.rename(self.path, aside)
-                    os.unlink(aside)
-                except FileNotFoundError:
-                    pass  # someone else took it over; try again
-                continue
+                if holder.get("nonce") != self.nonce and holder_is_live(holder, self.lease) and not same_job:
+                    raise locked_error(self.root, holder, self.lease)
+                self.store.take_over(self.path)  # stale: only one contender wins
+            self._started = time.time()
             try:
-                os.write(fd, self._record())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self.held = True
-            self._start_heartbeat()
-            return
+                self.store.create(self.path, self._record())
+            except FileExistsError:
+                time.sleep(0.05)  # being written or replaced right now
+                continue
+            if self.store.lease_settle:
+                time.sleep(self.store.lease_settle)
+            if self._mine():
+                self.held = True
+                self._start_heartbeat()
+                return
         raise CheckpointLocked(f"could not take the writer lease on {self.root} (contention)")
 
     def refresh(self) -> None:
-        if self.held:
-            try:
-                os.utime(self.path)
-            except FileNotFoundError:
-                self.held = False
-                self.acquire()
+        """Called at each save: still ours? Then mark it fresh; else take it again or raise."""
+        if not self.held:
+            return
+        if self._mine():
+            self.store.touch(self.path, self._record())
+            return
+        self.held = False  # lost it (expired and taken over, or broken)
+        self._stop_heartbeat()
+        self.acquire()
 
     def _start_heartbeat(self) -> None:
-        self._stop.clear()
+        self._stop = threading.Event()
+        stop = self._stop
 
         def beat() -> None:
-            while not self._stop.wait(self.lease / 4):
+            while not stop.wait(self.lease / 4):
                 try:
-                    os.utime(self.path)
-                except OSError:
+                    if self._mine():
+                        self.store.touch(self.path, self._record())
+                except Exception:  # noqa: BLE001 - best effort; the next save re-checks
                     pass
 
         self._thread = threading.Thread(target=beat, name="safeckpt-lease", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
+    def _stop_heartbeat(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)  # a heartbeat mid-write must not recreate the record
+            self._thread = None
+
+    def release(self) -> None:
+        self._stop_heartbeat()
         if self.held:
-            holder = read_lock(self.root)
-            if holder and holder.get("pid") == os.getpid() and holder.get("run_id") == self.run_id:
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
+            try:
+                if self._mine():
+                    self.store.delete(self.path)
+            except Exception:  # noqa: BLE001 - releasing must not mask the caller's outcome
+                pass
             self.held = False
 
 
-def writer_lease(root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE) -> Any:
-    """The lease object for ``root``: a :class:`RootLock`, or for a remote root (fsspec URL)
-    the best-effort :class:`safeckpt._remote.RemoteLock` with the same methods."""
-    if is_remote(root):
-        from ._remote import RemoteLock
-
-        return RemoteLock(root, run_id, lease)
-    return RootLock(root, run_id, lease)
+def writer_lease(root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE,
+                 store: Storage | None = None) -> RootLock:
+    """The lease object for ``root`` (taken by :meth:`RootLock.acquire`)."""
+    return RootLock(root, run_id, lease, store)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,8 +11,8 @@ import torch
 
 from ._manifest import safe_file_path
 from ._reader import TensorReader, open_data_file, open_manifest
-from ._shardfile import hash_file, header_problems
-from ._storage import is_remote, resolve
+from ._shardfile import header_problems
+from ._storage import Storage, is_remote, resolve, storage_for
 from ._tree import decode, escape_key
 from .errors import CheckpointError
 
@@ -33,17 +33,19 @@ class VerifyReport:
 
 
 def verify(
-    path: str | os.PathLike[str], deep: bool = True, *, progress: Callable[[int], None] | None = None
+    path: str | os.PathLike[str], deep: bool = True, *, progress: Callable[[int], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint with the same validation a load runs: the manifest (its checksum and
     every field, chunks tiling every tensor), every file present, regular and of the right size
     with a safetensors header that matches the manifest, and with ``deep`` every file's
-    checksum (reads all bytes once; ``progress(n)`` is told about every n bytes hashed)."""
+    checksum (reads all bytes once; ``progress(n)`` is told about every n bytes hashed).
+    ``storage_options``: the fsspec filesystem's options for a URL ``path``."""
     ckpt = resolve(path)
-    remote = is_remote(ckpt)
+    store = storage_for(ckpt, storage_options)
     problems: list[str] = []
     try:
-        man = open_manifest(ckpt)
+        man = open_manifest(ckpt, store)
     except (CheckpointError, OSError) as exc:
         return VerifyReport(ckpt, False, [str(exc)], deep=deep)
     nbytes = 0
@@ -52,11 +54,11 @@ def verify(
         for c in rec["chunks"]:
             by_file.setdefault(c["file"], []).append({**c, "dtype": rec["dtype"], "key": key})
     for name, rec in sorted(man["files"].items()):
-        if not _exists(safe_file_path(ckpt, name)):
+        if not _exists(safe_file_path(ckpt, name), store):
             problems.append(f"missing file {name}")
             continue
         try:
-            f = open_data_file(ckpt, name, rec["size"])
+            f = open_data_file(ckpt, name, rec["size"], store)
         except CheckpointError as exc:
             problems.append(f"{name}: {exc}")
             continue
@@ -67,13 +69,7 @@ def verify(
             f.close()
         if deep:
             try:
-                fpath = safe_file_path(ckpt, name)
-                if remote:
-                    from ._remote import hash_file as remote_hash_file
-
-                    _, digest = remote_hash_file(fpath, progress=progress)
-                else:
-                    _, digest = hash_file(fpath, progress=progress)
+                _, digest = store.hash(safe_file_path(ckpt, name), progress=progress)
             except (CheckpointError, OSError) as exc:
                 problems.append(f"{name}: {exc}")
                 continue
@@ -82,16 +78,15 @@ def verify(
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
 
 
-def _exists(path: str) -> bool:
+def _exists(path: str, store: Storage) -> bool:
     if is_remote(path):
-        from ._remote import locate, size_of
-
-        return size_of(locate(path)) is not None
+        return store.size(path) is not None
     return os.path.lexists(path)
 
 
 def read_state_dict(
-    path: str | os.PathLike[str], *, verify_checksums: bool = True, nested: bool = False
+    path: str | os.PathLike[str], *, verify_checksums: bool = True, nested: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole checkpoint with full (unsharded) CPU tensors; per-rank state is rank 0's.
 
@@ -99,10 +94,12 @@ def read_state_dict(
     (``model/layer.weight``), each path component escaped with :func:`escape_key` (so a ``/``
     inside a dict key, e.g. a file path, stays distinguishable). ``nested=True`` gives the
     saved trees instead: ``{entry: state}`` exactly as each entry's ``state_dict()`` was.
+    ``storage_options``: the fsspec filesystem's options for a URL ``path``.
     """
     ckpt = resolve(path)
-    man = open_manifest(ckpt)
-    reader = TensorReader(ckpt, man, rank=0, verify=verify_checksums)
+    store = storage_for(ckpt, storage_options)
+    man = open_manifest(ckpt, store)
+    reader = TensorReader(ckpt, man, rank=0, verify=verify_checksums, store=store)
     out: dict[str, Any] = {}
     try:
         for name, obj in man["objects"].items():

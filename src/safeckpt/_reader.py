@@ -10,14 +10,14 @@ costs only what the new shard needs. Chunks read whole are verified against thei
 from __future__ import annotations
 
 import mmap
-import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ._manifest import safe_file_path, torch_dtype
-from ._shardfile import MappedFile, header_problems
-from ._storage import is_remote
+from ._shardfile import header_problems
+from ._storage import Storage, storage_for
 from ._tree import is_dtensor
 from .errors import CorruptCheckpoint
 
@@ -61,12 +61,14 @@ def _intersect(a: Box, b: Box) -> tuple[list[int], list[int]] | None:
 class TensorReader:
     """Serves tensors of the checkpoint at ``ckpt_dir`` described by ``manifest``."""
 
-    def __init__(self, ckpt_dir: str, manifest: dict[str, Any], *, rank: int = 0, verify: bool = True) -> None:
+    def __init__(self, ckpt_dir: str, manifest: dict[str, Any], *, rank: int = 0, verify: bool = True,
+                 store: Storage | None = None) -> None:
         self.dir = ckpt_dir
+        self.store = store or storage_for(ckpt_dir)
         self.man = manifest
         self.rank = rank
         self.verify = verify
-        self._files: dict[str, Any] = {}  # MappedFile, or _remote.RemoteFile for a URL
+        self._files: dict[str, Any] = {}  # MappedFile, or _rangedfile.RemoteFile for a URL
         self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
         self._tied = {r["alias_of"] for r in manifest["tensors"].values() if "alias_of" in r}
         self._made: dict[str, torch.Tensor] = {}  # tied tensors already built by new()
@@ -75,13 +77,28 @@ class TensorReader:
     def _file(self, name: str) -> Any:
         if name not in self._files:
             size = int(self.man["files"][name]["size"])
-            f = open_data_file(self.dir, name, size)
+            likely = () if self.store.renames else self._likely(name)
+            f = open_data_file(self.dir, name, size, self.store, likely)
             problems = header_problems(f.read, size, self._chunks_in(name))
             if problems:
                 f.close()
                 raise CorruptCheckpoint(f"{name}: {problems[0]}", path=self.dir)
             self._files[name] = f
         return self._files[name]
+
+    def _likely(self, name: str) -> list[tuple[int, int]]:
+        """Byte ranges of file ``name`` this rank will most likely read (an object store fetches
+        them together): replicated chunks, its own per-rank chunks, and the shards in a file
+        that this rank number wrote."""
+        writer = self.man["files"][name].get("rank")
+        out = []
+        for rec in self.man["tensors"].values():
+            scope = rec.get("scope")
+            for c in rec.get("chunks", ()):
+                if c["file"] == name and (scope == "replicated" or (scope == "per_rank" and c.get("rank") == self.rank)
+                                          or (scope == "sharded" and writer == self.rank)):
+                    out.append((c["start"], c["end"]))
+        return out
 
     def _chunks_in(self, name: str) -> list[dict[str, Any]]:
         """The manifest's chunks stored in file ``name`` (with their dtype), for the header check."""
@@ -217,32 +234,14 @@ class TensorReader:
         self._files.clear()
 
 
-def open_data_file(ckpt_dir: str, name: str, size: int) -> Any:
-    """A data file of a checkpoint, checked for its size: a MappedFile, or a RemoteFile for a URL."""
-    path = safe_file_path(ckpt_dir, name)
-    if is_remote(path):
-        from ._remote import RemoteFile
-
-        return RemoteFile(path, size)
-    return MappedFile(path, size)
+def open_data_file(ckpt_dir: str, name: str, size: int, store: Storage | None = None,
+                   likely: Sequence[tuple[int, int]] = ()) -> Any:
+    """A data file of a checkpoint, checked for its size: a MappedFile (local, mmap), or a
+    RemoteFile (object store, ranged reads; ``likely`` ranges are fetched together)."""
+    store = store or storage_for(ckpt_dir)
+    return store.open(safe_file_path(ckpt_dir, name), size, ckpt_dir, likely)
 
 
-def open_manifest(ckpt_dir: str) -> dict[str, Any]:
+def open_manifest(ckpt_dir: str, store: Storage | None = None) -> dict[str, Any]:
     """Read a committed checkpoint's manifest or raise CheckpointNotFound / CorruptCheckpoint."""
-    from ._manifest import MANIFEST, is_staging_name, read_manifest
-    from .errors import CheckpointNotFound
-
-    if is_remote(ckpt_dir):
-        from ._remote import open_manifest as open_remote
-
-        return open_remote(ckpt_dir)
-    name = os.path.basename(os.path.normpath(ckpt_dir))
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointNotFound(f"no checkpoint at {ckpt_dir}: the directory does not exist", path=ckpt_dir)
-    if is_staging_name(name) or not os.path.isfile(os.path.join(ckpt_dir, MANIFEST)):
-        raise CheckpointNotFound(
-            f"{ckpt_dir} is not a committed safeckpt checkpoint (no {MANIFEST}; an interrupted "
-            "save never publishes one). Use `safeckpt ls` on its parent to see what is there.",
-            path=ckpt_dir,
-        )
-    return read_manifest(ckpt_dir)
+    return (store or storage_for(ckpt_dir)).read_manifest(ckpt_dir)

@@ -5,13 +5,17 @@ rank and no rank waits forever):
 
 1. agree   (all ranks)    encode the state; exchange path, step, layout hash, shard boxes and,
                           optionally, replica digests; mismatch -> RankMismatch, nothing written.
-2. stage   (coordinator)  check the target, create a fresh staging directory next to it.
+2. stage   (coordinator)  check the target, prepare the staging place (``_commit.begin``).
+   probe   (all ranks)    with a staging directory: every rank sees it (shared storage), before
+                          anything is written.
 3. write   (all ranks)    write this rank's file (its share of replicated bytes, its shards, its
-                          per-rank state) with checksums, fsync; report sizes and hashes.
+                          per-rank state) with checksums, durably; report sizes and hashes.
 4. commit  (coordinator)  check every file's size, write the manifest, publish atomically.
 
-On any failure the coordinator deletes the staging directory after all ranks have reported; the
-previous checkpoint at the path is never touched.
+The storage steps are ``safeckpt._commit``'s, on the path's :class:`~safeckpt._storage.Storage`
+(a local directory or an object store): one job class serves both. On any failure the
+coordinator removes what the save wrote after all ranks have reported (never raising over the
+save's error); the previous checkpoint at the path is never touched.
 """
 
 from __future__ import annotations
@@ -28,25 +32,22 @@ from typing import Any
 import torch
 import xxhash
 
-from . import __version__
-from ._commit import is_committed, new_staging_dir, publish, remove_tree, write_bytes_atomic
+from . import __version__, _commit
 from ._dist import Coordinator
 from ._manifest import (
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     CheckpointInfo,
     dtype_code,
     encode_manifest,
-    rank_file,
 )
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
-from ._shardfile import tensor_bytes, write_file
-from ._storage import is_remote, resolve
+from ._shardfile import tensor_bytes
+from ._storage import Storage, resolve, storage_for
 from ._tree import EncodedObject, Leaf, check_name, encode_object, param_names
-from .errors import CheckpointError, CheckpointExists, RankMismatch
+from .errors import CheckpointError, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
 
@@ -61,28 +62,31 @@ def save(
     step: int | None = None,
     metrics: Mapping[str, Any] | None = None,
     check_replicas: str = "auto",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path`` (collective: every rank calls it identically).
 
     The checkpoint appears atomically and complete, or not at all. ``check_replicas`` controls
     the check that replicated tensors are identical on every rank: ``"auto"`` (error when a
     DDP-wrapped module is in ``state``, else off), ``"error"``, ``"warn"`` or ``"off"``.
+    ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
+    credentials; see the README's "Remote roots"); ignored for local paths.
     """
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas must be one of {CHECK_REPLICAS}, got {check_replicas!r}")
     target = resolve(path)
     coord = Coordinator(timeout, what=f"save to {target}")
-    job = new_job(coord, target, state, metadata, overwrite, step, metrics, check_replicas)
+    store = storage_for(target, storage_options, timeout=coord.timeout)
+    job = new_job(coord, target, state, metadata, overwrite, step, metrics, check_replicas, store=store)
     return job.run()
 
 
-def new_job(coord: Coordinator, target: str, *args: Any) -> _SaveJob:
-    """The save job for ``target``: a local directory, or an fsspec URL (object store)."""
-    if is_remote(target):
-        from ._remote import RemoteSaveJob
-
-        return RemoteSaveJob(coord, target, *args)
-    return _SaveJob(coord, target, *args)
+def new_job(coord: Coordinator, target: str, *args: Any, store: Storage | None = None) -> _SaveJob:
+    """The save job for ``target`` (a local directory or an fsspec URL) on ``store`` (default:
+    the storage of ``target`` without options)."""
+    job = _SaveJob(coord, target, *args)
+    job.store = store or storage_for(target, timeout=getattr(coord, "timeout", None))
+    return job
 
 
 class _SaveJob:
@@ -146,6 +150,9 @@ class _SaveJob:
         """Phases 2-4: stage (coordinator), write (all ranks), commit (coordinator)."""
         staging = self.coord.run("stage", self._stage, hint="Nothing was written.")[0]
         try:
+            if self.store.renames and self.coord.world_size > 1:
+                self.coord.run("probe", lambda: _commit.probe(self.store, staging, self.coord.rank),
+                               hint="Nothing was written.")
             written = self.coord.run(
                 "write", lambda: self._write(staging),
                 hint="No checkpoint was published; the previous one (if any) is intact.",
@@ -158,7 +165,7 @@ class _SaveJob:
             )[0]
         except BaseException:
             if self.coord.is_coordinator and staging:
-                self._discard(staging)
+                _commit.discard(self.store, self.target, staging)
             raise
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
 
@@ -261,25 +268,10 @@ class _SaveJob:
                 warnings.warn(msg, SafeckptWarning, stacklevel=3)
         self.boxes = [a["boxes"] for a in agreed]
 
-    def _stage(self) -> str | None:
+    def _stage(self) -> dict[str, str] | None:
         if not self.coord.is_coordinator:
             return None
-        parent = os.path.dirname(self.target)
-        os.makedirs(parent, exist_ok=True)
-        if os.path.lexists(self.target):
-            if not self.overwrite:
-                raise CheckpointExists(
-                    f"{self.target} already exists. Pass overwrite=True to replace it atomically, "
-                    "or save under a new name (CheckpointManager names steps for you)."
-                )
-            if not os.path.isdir(self.target) or (
-                os.listdir(self.target) and not is_committed(self.target)
-            ):
-                raise CheckpointExists(
-                    f"{self.target} exists and is not a safeckpt checkpoint; refusing to replace "
-                    "it even with overwrite=True. Move it away or choose another path."
-                )
-        return new_staging_dir(self.target)
+        return _commit.begin(self.store, self.target, self.overwrite)
 
     def _my_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
         """What this rank writes: (name in file, tensor) plus a manifest record for each."""
@@ -326,12 +318,11 @@ class _SaveJob:
 
         return items, records
 
-    def _write(self, staging: str) -> dict[str, Any]:
-        rank = self.coord.rank
-        items, records = self.items, [dict(r) for r in self.records]
-        fname = rank_file(rank)
-        written = _retry_missing_dir(
-            lambda: write_file(os.path.join(staging, fname), items, {"format": FORMAT}), staging
+    def _write(self, staging: dict[str, str]) -> dict[str, Any]:
+        records = [dict(r) for r in self.records]
+        fname, written = _retry_missing_dir(
+            lambda: _commit.write(self.store, staging, self.coord.rank, self.items, {"format": FORMAT}),
+            staging["path"],
         )
         return self._report(fname, written, records)
 
@@ -349,34 +340,13 @@ class _SaveJob:
             "objects": {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects},
         }
 
-    def _commit(self, staging: str, written: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def _commit(self, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not self.coord.is_coordinator:
             return None
-        files: dict[str, Any] = {}
-        for r, w in enumerate(written):
-            try:
-                actual = os.stat(os.path.join(staging, w["file"])).st_size
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"rank {r} wrote {w['file']} but the coordinator (rank 0) cannot see it in "
-                    f"{staging}: the checkpoint directory must be on storage shared by all ranks "
-                    "(node-local disks are not supported)."
-                ) from None
-            if actual != w["size"]:
-                raise CheckpointError(
-                    f"rank {r}'s file {w['file']} has {actual} bytes on disk but rank {r} wrote "
-                    f"{w['size']}: the filesystem lost data (is {staging} shared by all ranks?)"
-                )
-            files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
+        files = _commit.check_written(self.store, staging, written)
         manifest = self._build_manifest(files, written)
-        write_bytes_atomic(os.path.join(staging, MANIFEST), encode_manifest(manifest))
-        try:
-            publish(staging, self.target, replace=self.overwrite)
-        except FileExistsError:
-            raise CheckpointExists(
-                f"{self.target} appeared while saving (another job writing the same path?); "
-                "nothing was replaced."
-            ) from None
+        _commit.commit(self.store, self.target, staging, encode_manifest(manifest),
+                       overwrite=self.overwrite, files=files)
         return self._committed_info(manifest, files)
 
     def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
@@ -388,10 +358,6 @@ class _SaveJob:
             "created_at": manifest["created_at"],
             "nbytes": sum(f["size"] for f in files.values()),
         }
-
-    def _discard(self, staging: str) -> None:
-        """After a failed save (coordinator): remove what it wrote."""
-        remove_tree(staging)
 
     def _build_manifest(self, files: dict[str, Any], written: list[dict[str, Any]]) -> dict[str, Any]:
         tensors: dict[str, Any] = {k: {**rec, "chunks": []} for k, rec in self.tensor_table.items()}

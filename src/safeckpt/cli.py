@@ -23,7 +23,7 @@ The CLI reads checkpoints without a process group and never takes the writer lea
 deletes only what it recognises: staging/trash leftovers (by their markers) and, when asked,
 committed ``step-*`` checkpoints that the retention rules do not keep (never the newest).
 
-ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt._remote``);
+ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt._storage``);
 on an object store, leftovers are token-named objects that no manifest names.
 
 ``rich`` (``pip install 'safeckpt[cli]'``) draws tables and progress bars when the output is a
@@ -76,7 +76,7 @@ from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
 from ._manifest import MANIFEST, CheckpointInfo, read_manifest
 from ._offline import VerifyReport, verify
 from ._reader import open_manifest
-from ._storage import is_remote, join
+from ._storage import default_options, is_remote, join, parse_options
 from ._tree import tensor_keys
 from .errors import (
     CheckpointError,
@@ -103,7 +103,7 @@ def _dir_size(path: str) -> int:
 
 def _entry_size(e: Entry) -> int:
     if is_remote(e.path):
-        from ._remote import entry_nbytes
+        from ._catalog import entry_nbytes
 
         return entry_nbytes(e)
     return _dir_size(e.path)
@@ -111,18 +111,18 @@ def _entry_size(e: Entry) -> int:
 
 def _has_manifest(path: str) -> bool:
     if is_remote(path):
-        from ._remote import exists
+        from ._storage import storage_for
 
-        return exists(join(path, MANIFEST))
+        return storage_for(path).size(join(path, MANIFEST)) is not None
     return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def _root(path: str) -> str:
     root = root_arg(path)
     if is_remote(root):
-        from ._remote import locate
+        from ._storage import storage_for
 
-        locate(root)  # fsspec and the scheme's package are installed, or a clear error
+        storage_for(root)  # fsspec and the scheme's package are installed, or a clear error
     return root  # (an object-store prefix exists only through what is under it)
 
 
@@ -150,7 +150,7 @@ def _lease_line(lease: dict[str, Any]) -> str:
 def _unmanaged(root: str, known: set[str]) -> list[Entry]:
     """Checkpoints under ``root`` saved with safeckpt.save under names the manager does not use."""
     if is_remote(root):
-        from ._remote import unmanaged
+        from ._catalog import unmanaged
 
         return unmanaged(root, known)
     found = []
@@ -362,9 +362,9 @@ def _break_lease(root: str, ui: UI) -> None:
     if lease is None:
         return
     if is_remote(root):
-        from ._remote import break_lock
+        from ._lock import break_lease
 
-        break_lock(root)
+        break_lease(root)
         ui.warn(f"warning: broke the writer lease of run {lease['run_id']} on {lease['host']} pid {lease['pid']}"
                 + (" (it looked LIVE: if that job is still saving, its checkpoint may be lost)" if lease["live"] else ""))
         return
@@ -529,9 +529,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"safeckpt {__version__}")
     p.add_argument("--debug", action="store_true", help="on an error, also print the traceback")
+    store_help = ("an fsspec option for URL paths (endpoint, credentials), repeatable; VALUE is "
+                  "JSON or a string, a dotted KEY nests: endpoint_url=http://127.0.0.1:9000, "
+                  "key=..., secret=..., client_kwargs.region_name=eu-west-1")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help=store_help)
     common = argparse.ArgumentParser(add_help=False)  # so `safeckpt CMD ... --debug` works too
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on an error, also print the traceback")
+    common.add_argument("--storage-option", action="append", default=argparse.SUPPRESS,
+                        metavar="KEY=VALUE", help=store_help)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
                            parser_class=lambda **kw: _Parser(parents=[common], **kw))
 
@@ -652,6 +658,13 @@ def _remote_arg(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return parse_options(getattr(args, "storage_option", None) or [])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _print_err(text: str) -> None:
     with contextlib.suppress(OSError, ValueError):  # stderr itself closed: nothing more to do
         print(text, file=sys.stderr, flush=True)
@@ -685,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             if not debug:
                 warnings.showwarning = _one_line_warnings(prog)
-            code = int(args.func(args, ui))
+            with default_options(_storage_options(args)):
+                code = int(args.func(args, ui))
             sys.stdout.flush()  # a closed pipe shows here, not in Python's exit-time flush
             return code
     except SystemExit:

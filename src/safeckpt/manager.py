@@ -25,7 +25,7 @@ from ._manifest import CheckpointInfo
 from ._offline import verify
 from ._preempt import PreemptionWatcher
 from ._save import _SaveJob, new_job
-from ._storage import is_remote, join, resolve
+from ._storage import join, resolve, storage_for
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
 
@@ -47,6 +47,8 @@ class CheckpointManager:
         preemption_signals: signals that set ``preempted`` (default SIGTERM, SIGUSR1); () to
             leave signal handling alone.
         lease: seconds after its last heartbeat that a crashed writer's lock expires.
+        storage_options: for a URL root, the fsspec filesystem's options (endpoint,
+            credentials, ...; see the README's "Remote roots"); ignored for local roots.
     """
 
     def __init__(
@@ -62,18 +64,18 @@ class CheckpointManager:
         *,
         preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
         lease: float = DEFAULT_LEASE,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.root = resolve(root)
-        if is_remote(self.root):
-            from ._remote import locate
-
-            locate(self.root)  # fsspec and the scheme's package are installed, or a clear error now
         self.policy = RetentionPolicy(keep_last, keep_best, best_metric, best_mode, keep_every)
         self.timeout = resolve_timeout(timeout)
+        # fsspec and the scheme's package are installed, or a clear error now
+        self._options = dict(storage_options) if storage_options is not None else None
+        self._store = storage_for(self.root, self._options, timeout=self.timeout)
         self.async_save = bool(async_save)
         self._saver = AsyncSaver() if async_save else None
         self._pool: dict[str, Any] = {}
-        self._lock = writer_lease(self.root, lease=lease)
+        self._lock = writer_lease(self.root, lease=lease, store=self._store)
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._preempted = False
         self._restored: int | None = None
@@ -85,7 +87,7 @@ class CheckpointManager:
     # ----------------------------------------------------------- read-only
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints under root, oldest first (reads manifests; no lock)."""
-        return [e.info for e in committed(self.root) if e.info is not None]
+        return [e.info for e in committed(self.root, self._store) if e.info is not None]
 
     def latest(self) -> CheckpointInfo | None:
         found = self.list()
@@ -120,7 +122,7 @@ class CheckpointManager:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
         for cand_step, path in picked["candidates"]:
             try:
-                load(path, state, strict=strict, timeout=self.timeout)
+                load(path, state, strict=strict, timeout=self.timeout, storage_options=self._options)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 # A reason of the checkpoint (damaged, or deleted under us): the state is
                 # unchanged (loads check everything before touching it), so try an older one.
@@ -143,7 +145,7 @@ class CheckpointManager:
     def _pick(self, step: int | None, is_coordinator: bool) -> dict[str, Any] | None:
         if not is_coordinator:
             return None
-        entries = scan(self.root)
+        entries = scan(self.root, store=self._store)
         notes = []
         candidates = []
         damaged = []
@@ -155,7 +157,7 @@ class CheckpointManager:
                 if e.status == "corrupt":
                     damaged.append(f"step {e.step}: unreadable manifest ({e.problem})")
             elif e.status == "committed":
-                report = verify(e.path, deep=False)
+                report = verify(e.path, deep=False, storage_options=self._options)
                 if report.ok:
                     candidates.append([e.step, e.path])
                 else:
@@ -180,7 +182,7 @@ class CheckpointManager:
         path = join(self.root, step_dirname(step))
         coord = self._coord(what=f"save of step {step} to {path}")
         coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
-        job = new_job(coord, path, state, metadata, True, step, metrics, "auto")
+        job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
         job.agree()
         if self._saver is None:
             return self._finish(job, coord)
@@ -195,8 +197,8 @@ class CheckpointManager:
         if not is_coordinator:
             return
         self._lock.acquire()
-        for e in leftovers(self.root):
-            remove_entry(e)
+        for e in leftovers(self.root, self._store):
+            remove_entry(e, self._store)
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
         info = job.finish()
@@ -207,14 +209,14 @@ class CheckpointManager:
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:
             return []
-        entries = committed(self.root)
+        entries = committed(self.root, self._store)
         # Never the restored checkpoint, nor the one just written (even if a stale checkpoint
         # with a higher step, from a run that got further, counts as "newest").
         protect = {s for s in (self._restored, saved) if s is not None}
         doomed = self.policy.delete([(e.step, e.info.metrics if e.info else {}) for e in entries], protect)
         by_step = {e.step: e for e in entries}
         for s in doomed:
-            remove_entry(by_step[s])
+            remove_entry(by_step[s], self._store)
         return doomed
 
     def wait(self) -> CheckpointInfo | None:
