@@ -23,6 +23,11 @@ from ..errors import CheckpointError, IncompatibleCheckpoint
 from ..rng import RNGState
 
 
+def step_dir(root: str, step: int) -> str:
+    """Where a CheckpointManager under ``root`` commits ``step`` (README: On-disk format)."""
+    return os.path.join(root, f"step-{step:010d}")
+
+
 def rank() -> int:
     import torch.distributed as dist
 

@@ -123,7 +123,7 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
     if cfg.automatic_checkpoint_naming:
         mgr = _manager(acc, timeout)
         step = int(cfg.iteration)
-        path = os.path.join(_root(acc), f"step-{step:010d}")
+        path = common.step_dir(_root(acc), step)
         if common.share_from_rank0(lambda: os.path.exists(path)):
             raise CheckpointExists(
                 f"{path} (save iteration {step}) exists already: call load_state() first to "
@@ -156,7 +156,7 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None
         step = _manager(acc, timeout).restore(state)
         if step is None:
             raise CheckpointNotFound(f"no committed checkpoint under {_root(acc)}", path=_root(acc))
-        path = os.path.join(_root(acc), f"step-{step:010d}")
+        path = common.step_dir(_root(acc), step)
     else:
         path = os.path.abspath(os.fspath(input_dir))
         load(path, state, timeout=timeout)

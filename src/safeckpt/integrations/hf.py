@@ -38,7 +38,13 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from .. import CheckpointManager, RNGState, load
-from ..errors import CheckpointError, CheckpointNotFound, IncompatibleCheckpoint, SafeckptWarning
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    SafeckptWarning,
+)
 from . import _hf_common as common
 
 T = TypeVar("T", bound=type)
@@ -47,11 +53,6 @@ STATE_FILE = "trainer_state.json"  # materialised for Trainer.train(), which rea
 SIDE_PREFIX = "checkpoint-"        # where Trainer subclasses put their own files during a save
 MAX_SIDE_BYTES = 16 << 20
 FORMAT = "safeckpt.hf.trainer/1"
-
-
-def _step_dir(root: str, step: int) -> str:
-    """Where the manager commits ``step`` (README: On-disk format)."""
-    return os.path.join(root, f"step-{step:010d}")
 
 
 class _Hooks(TrainerCallback):
@@ -197,7 +198,7 @@ class SafeckptTrainerMixin(Trainer):
                     "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
                     path=self.safeckpt_root_dir,
                 )
-            path = _step_dir(self.safeckpt_root_dir, step)
+            path = common.step_dir(self.safeckpt_root_dir, step)
             if not os.path.isdir(path):  # the manager's naming changed: fail loudly
                 raise CheckpointError(f"restored step {step} but {path} does not exist")
         else:
@@ -220,11 +221,15 @@ class SafeckptTrainerMixin(Trainer):
                 "but no optimizer, scheduler or RNG state, so training cannot resume from it. "
                 "Load the weights with safeckpt.load(path, {'model': model}, strict=False) instead."
             )
+        bad = [n for n in head["side_files"] if n in ("", ".", "..") or os.path.basename(n) != n]
+        if bad:
+            raise CorruptCheckpoint(f"{path}: side file names {bad!r} are not plain file names",
+                                    path=path)
         tmp = tempfile.mkdtemp(prefix="safeckpt-hf-resume-")
-        TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
         for name, text in head["side_files"].items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
+        TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
         self._safeckpt_best = meta.get("best")
         self._safeckpt_resume = {"dir": tmp, "path": path}
         return tmp
@@ -360,14 +365,14 @@ class SafeckptTrainerMixin(Trainer):
         self.store_flos()  # all-gather: every rank, as Trainer does
         step = self.state.global_step
         root = self.safeckpt_root_dir
-        path = _step_dir(root, step)
+        path = common.step_dir(root, step)
         metric_name = self._safeckpt_metric()
         metric = self._safeckpt_eval_metric(metric_name, step)
         metrics = {metric_name: metric} if metric is not None else {}
         if metric is not None and self._safeckpt_is_best(metric):
             self._safeckpt_best = [step, metric]
         if self._safeckpt_best is not None:
-            self.state.best_model_checkpoint = _step_dir(root, int(self._safeckpt_best[0]))
+            self.state.best_model_checkpoint = common.step_dir(root, int(self._safeckpt_best[0]))
         self._safeckpt_export_callbacks()
         state = self._safeckpt_state()
         state["side_files"] = self._safeckpt_side_files()
