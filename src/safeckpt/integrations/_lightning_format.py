@@ -1,0 +1,117 @@
+"""The layout of a Lightning checkpoint in safeckpt, and reading it back offline.
+
+A checkpoint is a safeckpt directory named like Lightning's file (``epoch=3-step=40.ckpt/``)
+holding the entries ``model`` (the LightningModule), ``optimizer_<i>``, ``lightning`` (every
+other key of Lightning's checkpoint dict, per rank) and ``rng`` (per rank; absent from
+weights-only checkpoints). Reading needs no process group and never unpickles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+import safeckpt
+from safeckpt._catalog import Entry, remove_entry
+from safeckpt._storage import is_remote
+from safeckpt.errors import CheckpointNotFound, IncompatibleCheckpoint
+
+MODEL = "model"
+LIGHTNING = "lightning"
+RNG = "rng"
+FORMAT = "safeckpt-lightning"
+OPTIM_RE = re.compile(r"^optimizer_(\d+)$")
+NOT_STORED = ("state_dict", "optimizer_states")  # saved from the live objects instead
+
+
+def optimizer_name(i: int) -> str:
+    return f"optimizer_{i}"
+
+
+class RankLocal:
+    """Lightning's dict without model and optimizers, kept per rank: each rank gets back its own
+    callbacks, loops and schedulers exactly as they were (a callback may hold rank-local values,
+    e.g. metrics logged without ``sync_dist``)."""
+
+    __safeckpt_per_rank__ = True
+
+    def __init__(self, value: dict[str, Any] | None = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value if self.value is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.value = state_dict
+
+
+def metadata(checkpoint: Mapping[str, Any], weights_only: bool) -> dict[str, Any]:
+    return {FORMAT: {
+        "version": 1,
+        "epoch": checkpoint.get("epoch"),
+        "global_step": checkpoint.get("global_step"),
+        "weights_only": weights_only,
+    }}
+
+
+def step_of(checkpoint: Mapping[str, Any]) -> int | None:
+    step = checkpoint.get("global_step")
+    return int(step) if isinstance(step, int) and step >= 0 else None
+
+
+def norm(path: str) -> str:
+    return path.rstrip("/") if is_remote(path) else os.path.normpath(path)
+
+
+def remove(path: str) -> None:
+    """Delete a checkpoint so that it never looks complete half-way (rename aside, then delete);
+    a plain file or symlink (a legacy ``.ckpt``, ``save_last="link"``) is unlinked."""
+    if is_remote(path):
+        remove_entry(Entry(os.path.basename(path.rstrip("/")), path, "committed", None))
+    elif os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        remove_entry(Entry(os.path.basename(os.path.normpath(path)), path, "committed", None))
+
+
+def refuse_file(path: str) -> None:
+    """A plain file where a checkpoint directory is expected: most likely a ``torch.save``
+    checkpoint from Lightning's default IO, which is never unpickled here."""
+    if not is_remote(path) and os.path.isfile(path):
+        raise CheckpointNotFound(
+            f"{path} is a file, not a safeckpt checkpoint directory (a checkpoint written by "
+            "Lightning's default torch.save IO?). It is not unpickled here; start from its weights "
+            "with Lightning's own load_from_checkpoint, or resume from a safeckpt checkpoint.",
+            path=path,
+        )
+
+
+def read_checkpoint(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+    """Lightning's checkpoint dict from a checkpoint written by this integration (offline, no
+    process group, never unpickles): ``state_dict`` with full (unsharded) tensors,
+    ``optimizer_states`` (if saved), and everything else as rank 0 saved it.
+
+    ``map_location``: None (CPU) or a device to move every tensor to.
+    """
+    refuse_file(os.fspath(path))
+    nested = safeckpt.read_state_dict(path, nested=True)
+    if MODEL not in nested or LIGHTNING not in nested:
+        raise IncompatibleCheckpoint(
+            f"{os.fspath(path)} is a safeckpt checkpoint but not a Lightning one (entries: "
+            f"{sorted(nested)}; expected {MODEL!r} and {LIGHTNING!r}). Load it with "
+            "safeckpt.load or safeckpt.read_state_dict."
+        )
+    checkpoint = dict(nested[LIGHTNING])
+    checkpoint["state_dict"] = nested[MODEL]
+    optims = sorted((int(m.group(1)), k) for k in nested if (m := OPTIM_RE.match(k)))
+    if optims:
+        checkpoint["optimizer_states"] = [nested[k] for _, k in optims]
+    if map_location is not None:
+        device = torch.device(map_location)
+        checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(device))
+    return checkpoint
