@@ -110,8 +110,9 @@ def refuse_deepspeed(where: str) -> NoReturn:
     raise CheckpointError(
         f"{where}: DeepSpeed is enabled, and the safeckpt Trainer/Accelerate integration does "
         "not checkpoint DeepSpeed engines (their optimizer state lives inside the engine). "
-        "Use safeckpt.integrations.deepspeed on the engine itself, or train without DeepSpeed "
-        "(DDP or FSDP2) to use this integration."
+        "Either use the plain Trainer/Accelerator and call "
+        "safeckpt.integrations.deepspeed.install_on_initialize() before training (the engine's "
+        "own checkpoints then go through safeckpt), or train with DDP or FSDP2."
     )
 
 
