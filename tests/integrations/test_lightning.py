@@ -180,6 +180,13 @@ def test_resume_bit_exact_with_topk_and_last_across_two_resumes(tmp_path, kind):
         assert v["resumed_from"] != str(last) and v["fell_back"], v
         assert v["diff"] == [] and v["restored_step"] == safeckpt.verify(v["resumed_from"]).step, v
         assert v["final_step"] == v["restored_step"] + 12, v  # one more epoch: 12 batches on 1 rank
+        # ...and the 1-rank checkpoint it wrote resumes on 2 ranks: rank 1, which the saving run
+        # did not have, gets rank 0's loops and callbacks.
+        out = dist_harness.run(_resume_on_one_rank, 2, str(tmp_path), timeout=120, env=ENV)
+        for o in out:
+            assert o.ok, o.message
+            assert o.value["diff"] == [] and o.value["restored_step"] == v["final_step"], o.value
+            assert o.value["fell_back"] == [] and o.value["best_k_models"] == v["best_k_models"]
 
 
 def _resume_on_one_rank(rank: int, world: int, root: str) -> dict:
@@ -202,7 +209,10 @@ def _resume_on_one_rank(rank: int, world: int, root: str) -> dict:
             got = app.full_state(module, trainer)
             seen["diff"] = _diff(expected, {k: got[k] for k in expected if k in got})
             seen["restored_step"] = checkpoint["global_step"]
+            seen["best_k_models"] = {k: float(v) for k, v in checkpoint["callbacks"][
+                trainer.checkpoint_callback.state_key]["best_k_models"].items()}
 
+    # One more epoch on one rank; on two ranks (after that) only the restore (epoch 5 reached).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, trainer = _run(run_root, "fsdp2", world, 5, resume_seed=4, ckpt_path="last", callbacks=[Restored()])
