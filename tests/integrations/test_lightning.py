@@ -99,18 +99,28 @@ def _resume_twice(rank: int, world: int, root: str, kind: str) -> dict:
     model, trainer = _run(run_root, kind, world, 4, resume_seed=12, ckpt_path="last")
     resumed_from.append(trainer.ckpt_path)
     got = app.full_state(model, trainer)
-
-    io_error = dist_harness.attempt(
-        lambda: sl.SafeckptIO().save_checkpoint({"state_dict": {}}, os.path.join(root, "io.ckpt")))
-    return {
+    out = {
         "diff": _diff(ref, got),
         "ref_topk": ref_topk,
         "topk": _topk_state(trainer, run_root),
         "resumed_from": resumed_from,
         # numpy, not tensors: torch would pass tensors through shared memory that dies with us
         "ref_model": {k[len("model/"):]: v.numpy() for k, v in ref.items() if k.startswith("model/")},
-        "io_error": io_error,
+        "io_error": dist_harness.attempt(
+            lambda: sl.SafeckptIO().save_checkpoint({"state_dict": {}}, os.path.join(root, "io.ckpt"))),
     }
+    if kind == "ddp":
+        # Outside fit only the model (and Lightning's state) is loaded, from an older checkpoint.
+        older = sorted(trainer.checkpoint_callback.best_k_models)[0]
+        trainer.validate(model, ckpt_path=older, verbose=False)
+        expected = sl.read_checkpoint(older)["state_dict"]
+        out["validate_diff"] = _diff(expected, dict(model.state_dict()))
+        # A weights-only checkpoint cannot resume training: a clear error on every rank.
+        weights = os.path.join(root, "weights.ckpt")
+        trainer.save_checkpoint(weights, weights_only=True)
+        out["weights_only_fit"] = dist_harness.attempt(
+            lambda: _run(os.path.join(root, "w"), kind, world, 5, resume_seed=1, ckpt_path=weights))
+    return out
 
 
 @pytest.mark.timeout(240)
@@ -132,6 +142,10 @@ def test_resume_bit_exact_with_topk_and_last_across_two_resumes(tmp_path, kind):
         # Both ranks resumed from the newest checkpoint, whatever each one asked for.
         assert r["resumed_from"] == [str(ckpts / "last.ckpt")] * 2
         assert r["io_error"]["type"] == "CheckpointError" and "rank 0 only" in r["io_error"]["msg"]
+        if kind == "ddp":
+            assert r["validate_diff"] == []
+            assert r["weights_only_fit"]["type"] == "IncompatibleCheckpoint", r["weights_only_fit"]
+            assert "save_weights_only" in r["weights_only_fit"]["msg"]
     assert r0["ref_topk"]["best_k_models"] and len(r0["ref_topk"]["best_k_models"]) == 2
 
     # On disk: exactly the top-k directories, last.ckpt and the planted copy; all committed
