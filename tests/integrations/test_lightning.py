@@ -115,11 +115,16 @@ def _resume_twice(rank: int, world: int, root: str, kind: str) -> dict:
         trainer.validate(model, ckpt_path=older, verbose=False)
         expected = sl.read_checkpoint(older)["state_dict"]
         out["validate_diff"] = _diff(expected, dict(model.state_dict()))
-        # A weights-only checkpoint cannot resume training: a clear error on every rank.
-        weights = os.path.join(root, "weights.ckpt")
+        # A weights-only checkpoint cannot resume training: a clear error on every rank; as the
+        # newest checkpoint in the directory it is passed over by "last" for fit.
+        weights = os.path.join(ckpts, "weights.ckpt")
         trainer.save_checkpoint(weights, weights_only=True)
         out["weights_only_fit"] = dist_harness.attempt(
             lambda: _run(os.path.join(root, "w"), kind, world, 5, resume_seed=1, ckpt_path=weights))
+        _, trainer = _run(run_root, kind, world, 4, resume_seed=2, ckpt_path="last")
+        out["last_for_fit"] = trainer.ckpt_path
+        trainer.strategy.remove_checkpoint(weights)  # collective, atomic
+        out["weights_left"] = os.path.exists(weights)
     return out
 
 
@@ -146,6 +151,7 @@ def test_resume_bit_exact_with_topk_and_last_across_two_resumes(tmp_path, kind):
             assert r["validate_diff"] == []
             assert r["weights_only_fit"]["type"] == "IncompatibleCheckpoint", r["weights_only_fit"]
             assert "save_weights_only" in r["weights_only_fit"]["msg"]
+            assert r["last_for_fit"] == str(ckpts / "last.ckpt") and not r["weights_left"]
     assert r0["ref_topk"]["best_k_models"] and len(r0["ref_topk"]["best_k_models"]) == 2
 
     # On disk: exactly the top-k directories, last.ckpt and the planted copy; all committed

@@ -65,7 +65,8 @@ def step_of(checkpoint: Mapping[str, Any]) -> int | None:
 
 
 def norm(path: str) -> str:
-    return path.rstrip("/") if is_remote(path) else os.path.normpath(path)
+    """Comparable form of a checkpoint path (Lightning hands over absolute local paths)."""
+    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
 
 
 def remove(path: str) -> None:

@@ -243,6 +243,11 @@ class SafeckptStrategyMixin:
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         candidates = agree_on_checkpoint(trainer, os.fspath(checkpoint_path), self.checkpoint_timeout)
+        if fitting and self.optimizers and len(candidates) > 1:
+            # "last" for training: the newest checkpoint that can resume it (weights-only ones,
+            # e.g. from a second ModelCheckpoint, cannot), if there is one.
+            full = [c for c in candidates if any(OPTIM_RE.match(e) for e in c["entries"])]
+            candidates = full or candidates
         reasons: list[str] = []
         for i, cand in enumerate(candidates):
             try:
