@@ -98,6 +98,8 @@ def _check_export(sds, d: str, stock: str, out: str, stage: int) -> dict:
     fresh = {k: v.clone() for k, v in plain.state_dict().items()}
     plain.load_state_dict(got)  # strict: every name of the plain module, nothing else
     hf = sds.export(d, out + "-hf", hf=True)
+    # python -m safeckpt.integrations.deepspeed SRC OUT
+    cli = (sds.main([d, out + "-cli.safetensors"]), sds.main([d + "-absent", out + "-none.safetensors"]))
     hf_got = load_file(os.path.join(out + "-hf", "model.safetensors"))
     # every tensor zero_to_fp32 gives, bit for bit; ZeRO-1 also gets the frozen parameters
     # zero_to_fp32 drops (DeepSpeed records none for stage 1), from the full model states
@@ -110,6 +112,7 @@ def _check_export(sds, d: str, stock: str, out: str, stage: int) -> dict:
         "hf_equal": same(hf_got, ref) and os.path.basename(hf[0]) == "model.safetensors",
         "in_memory_equal": same(dict(sds.get_fp32_state_dict(d)), ref),
         "fp32": all(v.dtype == torch.float32 for v in got.values()),
+        "cli": (cli, same(load_file(out + "-cli.safetensors"), ref)),
     }
 
 
@@ -342,6 +345,7 @@ def test_zero_1_2_3_kill_resume_resave_export(tmp_path):
         ex = values[0][stage]["export"]
         assert ex["equal_zero_to_fp32"] and ex["hf_equal"] and ex["in_memory_equal"], ex
         assert ex["fp32"] and ex["frozen_equal"], ex
+        assert ex["cli"] == ((0, 2), True), ex["cli"]  # exit 2: no checkpoint there
         assert ex["keys"] == sorted(["inp.weight", "inp.bias", "frozen.weight", "frozen.bias",
                                      "out.weight", "out.bias", "seen"])
         d = tmp_path / f"full{stage}"

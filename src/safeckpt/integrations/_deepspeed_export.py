@@ -14,8 +14,10 @@ full fp32 model plus one rank's optimizer file at a time, like ``zero_to_fp32``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import sys
 import uuid
 from typing import Any
 
@@ -149,3 +151,25 @@ def export(
         return [consolidate(tmp, out, only="model").path]
     finally:
         remove_tree(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m safeckpt.integrations.deepspeed SRC OUT``: the zero_to_fp32 replacement."""
+    p = argparse.ArgumentParser(prog="python -m safeckpt.integrations.deepspeed",
+                                description="Export full fp32 weights of a ZeRO checkpoint saved by safeckpt.")
+    p.add_argument("src", help="save directory (newest tag) or one tag directory")
+    p.add_argument("out", help="output .safetensors file (or directory with --hf)")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--hf", action="store_true", help="Hugging Face layout (shards + index when large)")
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--exclude-frozen-parameters", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        for path in export(a.src, a.out, tag=a.tag, hf=a.hf, max_shard_size=a.max_shard_size,
+                           exclude_frozen_parameters=a.exclude_frozen_parameters, overwrite=a.overwrite):
+            print(path)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0

@@ -42,7 +42,6 @@ together. DeepSpeed's ``zero_to_fp32.py`` is not copied (it cannot read this for
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -67,7 +66,7 @@ from ..errors import (
     SafeckptWarning,
 )
 from . import _deepspeed_codec as codec
-from ._deepspeed_export import export, get_fp32_state_dict
+from ._deepspeed_export import export, get_fp32_state_dict, main
 from ._deepspeed_tags import (
     OFFLOAD_DIR,
     Coordinator,
@@ -576,28 +575,6 @@ def _load_stock(engine: Any, load_dir: str, tag: str | None, **kwargs: Any) -> t
         return type(engine).load_checkpoint(engine, load_dir, tag=tag, **kwargs)
     finally:
         engine.checkpoint_engine = ce
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m safeckpt.integrations.deepspeed SRC OUT``: the zero_to_fp32 replacement."""
-    p = argparse.ArgumentParser(prog="python -m safeckpt.integrations.deepspeed",
-                                description="Export full fp32 weights of a ZeRO checkpoint saved by safeckpt.")
-    p.add_argument("src", help="save directory (newest tag) or one tag directory")
-    p.add_argument("out", help="output .safetensors file (or directory with --hf)")
-    p.add_argument("--tag", default=None)
-    p.add_argument("--hf", action="store_true", help="Hugging Face layout (shards + index when large)")
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--exclude-frozen-parameters", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
-    a = p.parse_args(argv)
-    try:
-        for path in export(a.src, a.out, tag=a.tag, hf=a.hf, max_shard_size=a.max_shard_size,
-                           exclude_frozen_parameters=a.exclude_frozen_parameters, overwrite=a.overwrite):
-            print(path)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=__import__("sys").stderr)
-        return exc.exit_code
-    return 0
 
 
 if __name__ == "__main__":
