@@ -110,6 +110,20 @@ def new_staging(final: str) -> str:
     return staging
 
 
+def wait_visible(staging: str, wait: float = 5.0) -> None:
+    """Every rank: the coordinator's staging directory is visible here (NFS attribute caches
+    may lag), or a clear error: the save directory must be storage shared by all ranks."""
+    deadline = time.monotonic() + wait
+    while not os.path.isdir(staging):
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"the staging directory {staging} created by rank 0 is not visible on this rank "
+                f"after {wait:.0f}s: the save directory must be on storage shared by all ranks "
+                "(a shared filesystem mounted at the same path everywhere)"
+            )
+        time.sleep(0.05)
+
+
 def publish_tag(staging: str, final: str) -> None:
     """Make ``staging`` visible as ``final`` in one rename; an existing tag of that name is
     swapped out in the same step (``renameat2(RENAME_EXCHANGE)``), then deleted."""

@@ -20,7 +20,8 @@ while safeckpt decides where, how and when it becomes visible. Call sequence of 
 
 1. ``create``  (all ranks)    agree on directory and tag (else RankMismatch, nothing written);
                               the coordinator sweeps leftovers of crashed saves and creates a
-                              hidden staging directory next to the tag.
+                              hidden staging directory next to the tag; every rank checks it
+                              sees it (shared storage).
 2. ``save``    (writer ranks) each file DeepSpeed saves is written at once, by the rank that
                               saves it, as a one-rank safeckpt checkpoint (safetensors + JSON,
                               fsynced, checksummed) in the staging directory. Known DeepSpeed
@@ -86,6 +87,7 @@ from ._deepspeed_tags import (
     save_local,
     sweep,
     tag_problems,
+    wait_visible,
     write_index,
     write_latest,
 )
@@ -166,6 +168,12 @@ class SafeckptCheckpointEngine(CheckpointEngine):
             return new_staging(final)
 
         staging = coord.run("stage", stage, hint="Nothing was written.")[0]
+        try:
+            coord.run("probe", lambda: wait_visible(staging), hint="Nothing was written.")
+        except BaseException:
+            if coord.is_coordinator:
+                remove_tree(staging)
+            raise
         self._save = _Save(coord, save_dir, tag, staging, latest, engine_info)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
