@@ -238,3 +238,134 @@ def _resume_on_one_rank(rank: int, world: int, root: str) -> dict:
         _, trainer = _run(run_root, "fsdp2", world, 5, resume_seed=4, ckpt_path="last", callbacks=[Restored()])
     fell_back = [str(w.message) for w in caught if "falling back" in str(w.message)]
     return {**seen, "resumed_from": trainer.ckpt_path, "fell_back": fell_back, "final_step": trainer.global_step}
+
+
+# --------------------------------------------------------------------------- kill -9 mid-save
+
+
+def _killed_mid_save(rank: int, world: int, root: str) -> None:
+    """Rank 0 (the coordinator, who would clean up) is SIGKILLed right after its data file of the
+    second last.ckpt save (step 12, replacing the one of step 6) is written and fsynced, before
+    the commit. The hook is os.fsync, which every durable write goes through."""
+    import signal
+
+    real, seen = os.fsync, [0]
+
+    def fsync_then_die(fd: int) -> None:
+        real(fd)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return
+        if rank == 0 and "/.last.ckpt.safeckpt-staging-" in target and target.endswith(".safetensors"):
+            seen[0] += 1
+            if seen[0] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.fsync = fsync_then_die
+    _run(os.path.join(root, "run"), "ddp", world, 4)
+
+
+def _resume_after_kill(rank: int, world: int, root: str) -> dict:
+    from tests.integrations import lightning_app as app
+
+    model, trainer = _run(os.path.join(root, "ref"), "ddp", world, 4)
+    ref = app.full_state(model, trainer)
+    model, trainer = _run(os.path.join(root, "run"), "ddp", world, 4, resume_seed=3, ckpt_path="last")
+    return {"diff": _diff(ref, app.full_state(model, trainer)), "resumed_from": trainer.ckpt_path}
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_mid_save_keeps_previous_checkpoint_loadable(tmp_path):
+    out = dist_harness.run(_killed_mid_save, 2, str(tmp_path), timeout=120, env=ENV)
+    assert out[0].exitcode == -9, out[0]
+    assert not out[1].ok and out[1].raised("RankFailure"), out[1].message
+    ckpts = tmp_path / "run" / "ckpts"
+    # The interrupted overwrite left a staging directory and the previous last.ckpt intact.
+    assert [n for n in dist_harness.leftovers(ckpts) if n.startswith(".last.ckpt.")], os.listdir(ckpts)
+    last = safeckpt.verify(ckpts / "last.ckpt")
+    assert last.ok and last.step == 6, last
+    newest = safeckpt.verify(ckpts / "epoch=1-step=12.ckpt")
+    assert newest.ok and newest.step == 12, newest
+
+    out = dist_harness.run(_resume_after_kill, 2, str(tmp_path), timeout=150, env=ENV)
+    for o in out:
+        assert o.ok, o.message
+        # "last" is the newest valid checkpoint (step 12), not last.ckpt by name (step 6);
+        # resuming from it ends bit-exact with the uninterrupted run.
+        assert o.value["resumed_from"] == str(ckpts / "epoch=1-step=12.ckpt")
+        assert o.value["diff"] == [], o.value["diff"]
+    assert dist_harness.leftovers(ckpts) == []  # swept at resume
+
+
+# --------------------------------------------------------------------------- SIGTERM to one rank
+# DDP with BatchNorm: saved right after a training step, when each rank's BatchNorm statistics
+# are its own until DDP's next forward; the strategy takes rank 0's first (as that forward would).
+
+
+def _preempted(rank: int, world: int, root: str) -> dict:
+    import signal
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from safeckpt.integrations import lightning as sl
+    from tests.integrations import lightning_app as app
+
+    seen: dict = {}
+
+    class Preemption(sl.SafeckptPreemption):
+        def on_train_batch_end(self, trainer, module, *args):
+            try:
+                super().on_train_batch_end(trainer, module, *args)
+            except SIGTERMException:
+                seen["saved"] = app.full_state(module, trainer)
+                seen["saved_step"] = trainer.global_step
+                raise
+
+    class SignalRank1(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if rank == 1 and trainer.global_step == 8:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    class Restored(pl.Callback):
+        def on_load_checkpoint(self, trainer, module, checkpoint):
+            seen["restored"] = app.full_state(module, trainer)
+            seen["restored_step"] = checkpoint["global_step"]
+
+    run_root = os.path.join(root, "run")
+    pre = Preemption()
+    try:
+        _run(run_root, "ddp", world, 3, callbacks=[pre, SignalRank1()])
+        raise AssertionError("training was not stopped")
+    except SIGTERMException:  # a SystemExit: what a preempted script ends with
+        pass
+    _, trainer = _run(run_root, "ddp", world, 3, resume_seed=9, ckpt_path="last",
+                      callbacks=[sl.SafeckptPreemption(), Restored()])
+    return {
+        "saved_path": pre.saved_path,
+        "saved_step": seen["saved_step"],
+        "restored_step": seen["restored_step"],
+        "resumed_from": trainer.ckpt_path,
+        # The scheduler is restored after this hook; model, optimizer and RNG before it.
+        "diff": _diff({k: v for k, v in seen["saved"].items() if not k.startswith("sched/")},
+                      {k: v for k, v in seen["restored"].items() if not k.startswith("sched/")}),
+        "final_step": trainer.global_step,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_on_one_rank_every_rank_saves_the_same_step_and_stops(tmp_path):
+    out = dist_harness.run(_preempted, 2, str(tmp_path), timeout=200, env=ENV)
+    for o in out:
+        assert o.ok, o.message
+    path = str(tmp_path / "run" / "ckpts" / "last-preempted.ckpt")
+    for o in out:
+        v = o.value
+        assert v["saved_path"] == path and v["saved_step"] == 9, v
+        assert v["resumed_from"] == path and v["restored_step"] == 9
+        # Model (BatchNorm statistics of this very step included) + optimizer + RNG as saved.
+        assert v["diff"] == [], v["diff"]
+        assert v["final_step"] == 18
+    report = safeckpt.verify(path)
+    assert report.ok and report.step == 9

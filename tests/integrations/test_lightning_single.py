@@ -123,3 +123,13 @@ def test_remove_checkpoint_handles_directories_links_and_files(tmp_path):
     io.remove_checkpoint(tmp_path / "old.ckpt")
     io.remove_checkpoint(tmp_path / "never-existed.ckpt")
     assert os.listdir(tmp_path) == []
+
+
+def test_import_safeckpt_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    code = ("import sys, safeckpt, safeckpt.integrations; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
