@@ -215,16 +215,18 @@ class _LoadJob:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place
         targets need; touches nothing in the caller's state."""
         self.loaded: dict[str, Any] = {}
+        targets: list[tuple[str, Any]] = []
         for name, tree in self.trees.items():
             value = self.state[name]
             if kind_of(value) == "stateful":
                 if name in self.optim_plans:
                     self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], self.reader)
                 else:
-                    self.loaded[name] = decode(tree, self.reader.new)
+                    tensors = self.reader.new_many(list(tensor_keys(tree)))
+                    self.loaded[name] = decode(tree, tensors.__getitem__)
                 continue
-            for key, leaf in self.targets[name].items():
-                self.reader.check_box(key, local_box(leaf.tensor))
+            targets.extend((key, local_box(leaf.tensor)) for key, leaf in self.targets[name].items())
+        self.reader.check_many(targets)
 
     def apply(self) -> None:
         """Hand stateful objects their state, then copy verified chunks into place.
@@ -252,8 +254,7 @@ class _LoadJob:
             if kind == "stateful":
                 continue
             matched = self.targets[name]
-            for key, leaf in matched.items():
-                self.reader.fill(key, leaf.tensor)
+            self.reader.fill_many([(key, leaf.tensor) for key, leaf in matched.items()])
             if kind == "module":
                 self._finish_module(name, value, matched)
             elif kind == "tree":

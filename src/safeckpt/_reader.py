@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ._tree import is_dtensor
 from .errors import CorruptCheckpoint
 
 Box = list[list[int]]  # [offsets, sizes]
+READ_THREADS = 4  # reads and hashes in flight at once on local files
 
 
 def local_box(t: torch.Tensor) -> Box:
@@ -77,7 +79,7 @@ class TensorReader:
     def _file(self, name: str) -> Any:
         if name not in self._files:
             size = int(self.man["files"][name]["size"])
-            likely = () if self.store.renames else self._likely(name)
+            likely = self._likely(name) if self.verify and not self.store.renames else ()
             f = open_data_file(self.dir, name, size, self.store, likely)
             problems = header_problems(f.read, size, self._chunks_in(name))
             if problems:
@@ -138,6 +140,57 @@ class TensorReader:
             if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
                 self._verify_chunk(key, c)
 
+    def check_many(self, targets: list[tuple[str, Box]]) -> None:
+        """:meth:`check_box` for many (key, box) pairs, chunks verified in parallel."""
+        todo: dict[tuple[str, int, int], tuple[str, dict[str, Any]]] = {}
+        for key, box in targets:
+            for c in self._chunks(key):
+                ident = (c["file"], c["start"], c["end"])
+                if ident in todo or ident in self._verified or c["end"] <= c["start"]:
+                    continue
+                if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
+                    todo[ident] = (key, c)
+        if self.verify:
+            self._parallel([(lambda kc=kc: self._verify_chunk(*kc)) for kc in todo.values()],
+                           {c["file"] for _, c in todo.values()})
+
+    def fill_many(self, targets: list[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`fill` for many (key, destination) pairs, in parallel."""
+        files = {c["file"] for key, _ in targets for c in self._chunks(key)}
+        self._parallel([(lambda k=k, t=t: self.fill(k, t)) for k, t in targets], files)
+
+    def new_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """:meth:`new` for many keys (read in parallel; tied keys share one tensor)."""
+        out: dict[str, torch.Tensor] = {}
+        fills = []
+        for key in dict.fromkeys(keys):
+            canonical = self.man["tensors"].get(key, {}).get("alias_of", key)
+            if canonical in self._made:
+                out[key] = self._made[canonical]
+                continue
+            rec = self.record(key)
+            t = torch.empty(tuple(rec["shape"]), dtype=torch_dtype(rec["dtype"]))
+            if canonical in self._tied:
+                self._made[canonical] = t
+            out[key] = t
+            fills.append((key, t))
+        self.fill_many(fills)
+        return out
+
+    def _parallel(self, tasks: list[Any], files: set[str]) -> None:
+        """Run I/O-bound tasks (reads and hashes release the GIL) on a few threads when every
+        file is local; the files are opened first, here, so the threads only read."""
+        local = True
+        for name in sorted(files):
+            local = local and hasattr(self._file(name), "read_into")
+        if len(tasks) < 2 or not local:
+            for task in tasks:
+                task()
+            return
+        with ThreadPoolExecutor(min(READ_THREADS, len(tasks)), thread_name_prefix="safeckpt-read") as pool:
+            for future in [pool.submit(task) for task in tasks]:
+                future.result()
+
     def _verify_chunk(self, key: str, c: dict[str, Any], window: int = 64 << 20) -> None:
         start, end = c["start"], c["end"]
         ident = (c["file"], start, end)
@@ -177,6 +230,14 @@ class TensorReader:
                 whole = lo == list(cbox[0]) and [h - o for h, o in zip(hi, cbox[0], strict=True)] == list(cbox[1])
                 f = self._file(c["file"])
                 src_at = cbox[0]
+                if whole and hasattr(f, "read_into"):
+                    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))]
+                    if dst.is_contiguous() and dst.numel():
+                        # Straight from the file into the destination: no mapping, no copy.
+                        f.read_into(c["start"], memoryview(dst.view(-1).view(torch.uint8).numpy()))
+                        covered += dst.numel()
+                        self.nbytes_read += c["end"] - c["start"]
+                        continue
                 if whole or not hasattr(f, "rows"):
                     src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
                 else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
@@ -208,7 +269,7 @@ class TensorReader:
         """Drop the pages of the mapped files from this process's memory (they stay in the page
         cache and are read again on demand). Streaming readers call this between pieces."""
         for f in self._files.values():
-            mm = getattr(f, "_mm", None)
+            mm = getattr(f, "_mapping", None)
             if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
                 try:
                     mm.madvise(mmap.MADV_DONTNEED)

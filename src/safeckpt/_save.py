@@ -20,17 +20,20 @@ save's error); the previous checkpoint at the path is never touched.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 import xxhash
+from torch import nn
 
 from . import __version__, _commit
 from ._dist import Coordinator
@@ -38,7 +41,6 @@ from ._manifest import (
     FORMAT,
     FORMAT_VERSION,
     CheckpointInfo,
-    dtype_code,
     encode_manifest,
 )
 from ._plan import plan_replicated
@@ -46,7 +48,7 @@ from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._shardfile import tensor_bytes
 from ._storage import Storage, resolve, storage_for
-from ._tree import EncodedObject, Leaf, check_name, encode_object, param_names
+from ._tree import EncodedObject, Leaf, check_name, encode_object, escape_key, param_names
 from .errors import CheckpointError, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
@@ -90,6 +92,8 @@ def new_job(coord: Coordinator, target: str, *args: Any, store: Storage | None =
 
 
 class _SaveJob:
+    store: Storage  # where the files go (set by new_job)
+
     def __init__(self, coord: Coordinator, target: str, state: Mapping[str, Any], metadata: Any,
                  overwrite: bool, step: int | None, metrics: Any, check_replicas: str) -> None:
         self.coord = coord
@@ -106,6 +110,7 @@ class _SaveJob:
         self.items: list[tuple[str, torch.Tensor]] = []
         self.records: list[dict[str, Any]] = []
         self.aliases: dict[str, str] = {}  # key -> the key whose bytes it shares (stored once)
+        self.from_rank0: set[str] = set()  # replicated keys written by rank 0 alone, unchecked
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -114,35 +119,37 @@ class _SaveJob:
 
     def agree(self) -> None:
         """Phase 1 (all ranks): encode, check agreement, and fix this rank's write items."""
+        with paused_gc():
+            self._agree_and_plan()
+
+    def _agree_and_plan(self) -> None:
         agreed = self.coord.run("agree", self._agree, hint="Nothing was written.")
         self._check_agreement(agreed)
-        self.items, self.records = self._my_items()
-        self.tensor_table = {
-            k: {"dtype": dtype_code(leaf.tensor.dtype), "shape": list(leaf.tensor.shape), "scope": leaf.scope,
-                **({"placement": placement_of(leaf.tensor)} if leaf.scope == "sharded" else {}),
-                **({"alias_of": self.aliases[k]} if k in self.aliases else {})}
-            for k, leaf in sorted(self.leaves.items())
-        }
+        self.items, self.records, self.tensor_table = self._planned_items()
 
-    def snapshot(self, pool: dict[str, torch.Tensor]) -> None:
+    def _tensor_table(self) -> dict[str, dict[str, Any]]:
+        """The manifest's tensor records without chunks (read-only once built: it is cached)."""
+        table = {}
+        for k, leaf in sorted(self.leaves.items()):
+            rec = {"dtype": leaf.dtype, "shape": leaf.shape, "scope": leaf.scope}
+            if leaf.scope == "sharded":
+                rec["placement"] = placement_of(leaf.tensor)
+            if k in self.aliases:
+                rec["alias_of"] = self.aliases[k]
+            table[k] = rec
+        return table
+
+    def snapshot(self, pool: SnapshotPool) -> None:
         """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
         caller may change the live state while the rest of the save runs in the background."""
-        copies = []
-        for name, t in self.items:
-            src = t.to_local() if hasattr(t, "to_local") else t
-            buf = pool.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
-                pool[name] = buf
-            buf.copy_(src, non_blocking=True)
-            copies.append((name, buf))
-        wanted = {n for n, _ in self.items}  # built once: a set per pool entry was O(n^2)
-        for name in list(pool):
-            if name not in wanted:
-                del pool[name]
+        srcs = [t for _, t in self.items]  # plain tensors: shards are local already
+        with paused_gc():
+            bufs = pool.buffers(self.plan_key, [n for n, _ in self.items], srcs)
+            for buf, src in zip(bufs, srcs, strict=True):
+                buf.copy_(src, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.items = copies
+        self.items = [(name, buf) for (name, _), buf in zip(self.items, bufs, strict=True)]
         self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
         self.state = {}
 
@@ -172,9 +179,9 @@ class _SaveJob:
     def _agree(self) -> dict[str, Any]:
         if not isinstance(self.state, Mapping):
             raise TypeError(f"state must be a dict of name -> value, got {type(self.state).__name__}")
-        for what, value in (("metadata", self.metadata), ("metrics", self.metrics)):
-            try:  # fail early, and say which argument is at fault
-                json.dumps(value, allow_nan=True)
+        for what in ("metadata", "metrics"):
+            try:  # fail early, say which argument is at fault; keep what a reader will parse
+                setattr(self, what, json.loads(json.dumps(getattr(self, what), allow_nan=True)))
             except (TypeError, ValueError) as exc:
                 raise CheckpointError(
                     f"{what} must be JSON (numbers, strings, bools, None, lists, dicts with "
@@ -186,18 +193,20 @@ class _SaveJob:
         for leaf in leaves:
             if leaf.key in self.leaves:
                 raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
-            dtype_code(leaf.tensor.dtype)
             self.leaves[leaf.key] = leaf
         self.aliases = find_aliases(self.leaves)
+        self.from_rank0 = {k for name, v in self.state.items() for k in ddp_broadcast_buffers(name, v)
+                           if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
         layout = self._layout()
         boxes = {
             k: _local_box(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "sharded"
         }
+        self.layout_hash = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
         return {
             "path": self.target,
             "step": self.step,
             "overwrite": self.overwrite,
-            "layout_hash": hashlib.sha256(json.dumps(layout).encode()).hexdigest(),
+            "layout_hash": self.layout_hash,
             "boxes": boxes,
             "digests": self._replica_digests() if self._replica_mode() != "off" else None,
         }
@@ -205,10 +214,10 @@ class _SaveJob:
     def _layout(self) -> list[Any]:
         objs = [[o.name, o.kind] for o in self.objects]
         tensors = [
-            [k, dtype_code(leaf.tensor.dtype), list(leaf.tensor.shape), leaf.scope, self.aliases.get(k)]
+            [k, leaf.dtype, leaf.shape, leaf.scope, self.aliases.get(k)]
             for k, leaf in sorted(self.leaves.items())
         ]
-        return [objs, tensors]
+        return [objs, tensors, sorted(self.from_rank0)]
 
     def _replica_mode(self) -> str:
         """``auto``: refuse differing replicas whenever there is more than one rank. A
@@ -222,7 +231,7 @@ class _SaveJob:
         return {
             k: replica_digest(leaf.tensor)
             for k, leaf in self.leaves.items()
-            if leaf.scope == "replicated" and k not in self.aliases
+            if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0
         }
 
     def _check_agreement(self, agreed: list[dict[str, Any]]) -> None:
@@ -273,37 +282,71 @@ class _SaveJob:
             return None
         return _commit.begin(self.store, self.target, self.overwrite)
 
+    def _planned_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]], dict[str, Any]]:
+        """:meth:`_my_items` and the tensor table, from a cache keyed by the agreed layout: a
+        training loop saves the same layout every time, and for thousands of tensors planning
+        is a large part of the time an async save blocks."""
+        sharded = any(leaf.scope == "sharded" for leaf in self.leaves.values())
+        placements = json.dumps([self.boxes, [placement_of(leaf.tensor) for _, leaf in sorted(self.leaves.items())
+                                              if leaf.scope == "sharded"]]) if sharded else ""
+        self.plan_key = (self.layout_hash, placements, self.coord.rank, self.coord.world_size)
+        cached = _PLANS.get(self.plan_key)
+        if cached is None:
+            items, records = self._my_items()
+            specs = [(name, rec["key"], _how(self.leaves[rec["key"]], rec))
+                     for (name, _), rec in zip(items, records, strict=True)]
+            _PLANS[self.plan_key] = cached = (specs, records, self._tensor_table())
+            while len(_PLANS) > 8:
+                _PLANS.pop(next(iter(_PLANS)))
+        specs, records, table = cached
+        items = []
+        leaves = self.leaves
+        for name, key, how in specs:
+            t = leaves[key].tensor
+            if how is not None:
+                t = t.to_local() if how == "local" else t.narrow(0, *how)
+            items.append((name, t))
+        return items, records, table
+
     def _my_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
         """What this rank writes: (name in file, tensor) plus a manifest record for each."""
         rank, world = self.coord.rank, self.coord.world_size
         items: list[tuple[str, torch.Tensor]] = []
         records: list[dict[str, Any]] = []
         specs = [
-            (k, list(leaf.tensor.shape), leaf.tensor.element_size())
+            (k, leaf.shape, leaf.itemsize)
             for k, leaf in sorted(self.leaves.items())
-            if leaf.scope == "replicated" and k not in self.aliases
+            if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0
         ]
+        if rank == 0:  # buffers DDP takes from rank 0: rank 0's values are the model's
+            for k in sorted(self.from_rank0):
+                leaf = self.leaves[k]
+                items.append((k, leaf.tensor))
+                records.append({"key": k, "name": k, "offsets": [0] * len(leaf.shape), "sizes": leaf.shape})
         for piece in plan_replicated(specs, world):
             if piece.rank != rank:
                 continue
-            t = self.leaves[piece.key].tensor
-            shape = list(t.shape)
+            leaf = self.leaves[piece.key]
+            t, shape = leaf.tensor, leaf.shape
             if shape and (piece.row_start, piece.rows) != (0, shape[0]):
                 t = t.narrow(0, piece.row_start, piece.rows)
                 name = f"{piece.key}@{piece.row_start}"
+                sizes = [piece.rows, *shape[1:]]
             else:
-                name = piece.key
+                name, sizes = piece.key, shape
             offsets = [piece.row_start] + [0] * (len(shape) - 1) if shape else []
             items.append((name, t))
-            records.append({"key": piece.key, "name": name, "offsets": offsets, "sizes": list(t.shape)})
+            records.append({"key": piece.key, "name": name, "offsets": offsets, "sizes": sizes})
 
         for k, leaf in sorted(self.leaves.items()):
+            if leaf.scope == "replicated":
+                continue
             if k in self.aliases:
                 continue  # its bytes are the aliased tensor's, written once under that key
             if leaf.scope == "per_rank":
                 items.append((k, leaf.tensor))
                 records.append({"key": k, "name": k, "offsets": [0] * leaf.tensor.dim(),
-                                "sizes": list(leaf.tensor.shape), "rank": rank})
+                                "sizes": leaf.shape, "rank": rank})
             elif leaf.scope == "sharded":
                 box = self.boxes[rank][k]
                 # replicas of a shard (HSDP) are written once, by one of their holders chosen
@@ -396,23 +439,97 @@ class _SaveJob:
         return manifest
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection while the training loop waits on us. A save of thousands
+    of tensors allocates tens of thousands of small objects, which triggers collections whose
+    cost grows with the whole heap of the training process (the profile of an async save of
+    4,000 tensors showed most of its time in collections landing in our allocations). The
+    objects are freed by reference counting anyway; GC resumes right after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _how(leaf: Leaf, rec: dict[str, Any]) -> Any:
+    """How a planned write item comes from its leaf: whole (None), this rank's shard
+    ("local"), or a row range ((start, rows))."""
+    if leaf.scope == "sharded":
+        return "local"
+    if "rank" not in rec and rec["sizes"] != leaf.shape:
+        return (rec["offsets"][0], rec["sizes"][0])
+    return None
+
+
+_PLANS: dict[tuple, tuple[list, list]] = {}  # plan_key -> (item specs, records), newest last
+
+
+class SnapshotPool:
+    """Reusable staging buffers for async saves (pinned when CUDA is present): allocated for
+    the first save of a layout, reused as they are by every later save of the same layout."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.bufs: list[torch.Tensor] = []
+        self.by_name: dict[str, torch.Tensor] = {}
+
+    def buffers(self, key: tuple, names: list[str], srcs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if key == self.key and len(self.bufs) == len(srcs):
+            return self.bufs
+        bufs = []
+        for name, src in zip(names, srcs, strict=True):
+            buf = self.by_name.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
+            bufs.append(buf)
+        self.key, self.bufs = key, bufs
+        self.by_name = dict(zip(names, bufs, strict=True))
+        return bufs
+
+
+def ddp_broadcast_buffers(name: str, value: Any) -> list[str]:
+    """Tensor keys of the buffers of a DDP module that broadcasts them (the default): DDP
+    copies rank 0's buffers to every rank at the start of each forward, so between a step and
+    the next forward the ranks legitimately differ (BatchNorm running stats) and rank 0's
+    values are the model's. They are written from rank 0 and left out of the replica check."""
+    seen = value
+    while isinstance(seen, nn.Module) and not isinstance(seen, nn.parallel.DistributedDataParallel):
+        seen = getattr(seen, "_orig_mod", None)
+    if not isinstance(seen, nn.parallel.DistributedDataParallel) or not getattr(seen, "broadcast_buffers", False):
+        return []
+    prefix = escape_key(name)
+    return [f"{prefix}/{escape_key(fqn)}" for fqn, _ in seen.module.named_buffers()]
+
+
 def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
     """Tensors that are the same memory (tied weights: one Parameter under two names, or two
     identical views of one storage): each maps to the first such key in sorted order, whose
     bytes alone are written. Views that differ (another offset, shape or stride) are stored as
     separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
-    first: dict[tuple, str] = {}
-    aliases: dict[str, str] = {}
+    by_ptr: dict[int, list[str]] = {}
     for k, leaf in sorted(leaves.items()):
-        t = leaf.tensor.to_local() if hasattr(leaf.tensor, "to_local") else leaf.tensor
-        if t.numel() == 0:
+        if 0 in leaf.shape:
             continue
-        ident = (leaf.scope, t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
-                 tuple(t.shape), t.stride(), tuple(leaf.tensor.shape))
-        if ident in first:
-            aliases[k] = first[ident]
-        else:
-            first[ident] = k
+        t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
+        if t.numel():
+            by_ptr.setdefault(t.data_ptr(), []).append(k)
+    aliases: dict[str, str] = {}
+    for keys in by_ptr.values():
+        if len(keys) < 2:
+            continue  # the common case: one tensor per address, nothing more to compare
+        first: dict[tuple, str] = {}
+        for k in keys:
+            leaf = leaves[k]
+            t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
+            ident = (leaf.scope, t.device, leaf.dtype, tuple(t.shape), t.stride(), tuple(leaf.shape))
+            if ident in first:
+                aliases[k] = first[ident]
+            else:
+                first[ident] = k
     return aliases
 
 

@@ -24,7 +24,7 @@ from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
 from ._offline import verify
 from ._preempt import PreemptionWatcher
-from ._save import _SaveJob, new_job
+from ._save import SnapshotPool, _SaveJob, new_job
 from ._storage import join, resolve, storage_for
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
@@ -74,7 +74,7 @@ class CheckpointManager:
         self._store = storage_for(self.root, self._options, timeout=self.timeout)
         self.async_save = bool(async_save)
         self._saver = AsyncSaver() if async_save else None
-        self._pool: dict[str, Any] = {}
+        self._pool = SnapshotPool()
         self._lock = writer_lease(self.root, lease=lease, store=self._store)
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._preempted = False
