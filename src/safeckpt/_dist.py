@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 import traceback
 import weakref
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._liveness import is_gone, mark_survivor, self_record, survivor_note
+from ._liveness import is_gone, mark_survivor, process_state, self_record, survivor_note
 from .errors import PORTABLE_ERRORS, CheckpointError, RankFailure
 
 DEFAULT_TIMEOUT = 600.0
@@ -49,6 +50,11 @@ CONNECT_SHARE = 6  # group connect timeout = timeout / 6: gloo's connect may wai
 SETUP_HINT = "Nothing was saved or loaded by this call; committed checkpoints are intact."
 DEFAULT_HINT = "Checkpoints committed before this call are intact."
 DEATH_GRACE = 1.0  # seconds to wait for a peer whose socket closed to show up as exited
+
+
+def _store_budget(timeout: float) -> float:
+    """Seconds failure diagnosis waits for the store to answer."""
+    return min(5.0, max(1.0, timeout / 4))
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -74,10 +80,11 @@ class _GroupState:
         self.peers: list[dict[str, Any] | None] = [None] * world_size
         self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
+        self.token = ""
 
-    @property
-    def token(self) -> str:
-        """Names this group in this job on every rank (for survivor notes), once known."""
+    def make_token(self) -> str:
+        """Names this group in this job, the same on every rank (for survivor notes), or ''
+        while rank 0's record is unknown."""
         first = self.peers[0]
         return f"{first['nonce']}-{self.key.rsplit('-', 1)[-1]}" if first and first.get("nonce") else ""
 
@@ -103,8 +110,48 @@ def _cached_group(timeout: float, purpose: str) -> _GroupState | None:
     return None
 
 
+class _PeerExited(Exception):
+    """A peer's process was seen gone while this rank waited for it."""
+
+
+def _known_peers(default_pg: Any, world_size: int) -> list[dict[str, Any] | None]:
+    """The rank records of an existing group of this job (the same processes), or Nones."""
+    for ref, state in _GROUPS.values():
+        if ref() is default_pg and len(state.peers) == world_size and all(state.peers):
+            return list(state.peers)
+    return [None] * world_size
+
+
 def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
+
+
+def _ask_store(query: Callable[[Any], Any], budget: float) -> Any:
+    """``query(store)`` on the job's store, run in a helper thread and waited for at most
+    ``budget`` seconds (TimeoutError after that).
+
+    Reads from a store whose host is frozen or cut off (not dead: that fails at once) block
+    for as long as TCP retries, ignoring the store's timeout (measured: >200 s against a
+    SIGSTOPped host with a 2 s timeout). Only failure diagnosis reads the store after the
+    rendezvous, so a failure is reported in bounded time even then; a stuck helper is left
+    behind (daemon) in a job that is failing anyway.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:  # not a clone: connecting one to a dead host retries for the store's own timeout
+            box["value"] = query(_store())
+        except Exception as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    helper = threading.Thread(target=target, name="safeckpt-store-query", daemon=True)
+    helper.start()
+    helper.join(budget)
+    if helper.is_alive():
+        raise TimeoutError(f"the job's store did not answer within {budget:.0f}s (its host hangs or is cut off)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _new_gloo_group(timeout: float) -> Any:
@@ -177,6 +224,10 @@ class Coordinator:
         default_pg = dist.distributed_c10d._get_default_group()
         _GROUP_ATTEMPTS[0] += 1
         state = _GroupState(f"safeckpt/group-{_GROUP_ATTEMPTS[0]}", self.world_size)
+        # The processes of an earlier group of this job, if any: a peer that died since is
+        # seen at once instead of after the timeout, and named even if the store is gone.
+        state.peers = _known_peers(default_pg, self.world_size)
+        state.token = state.make_token()
         # Cached at once: a failed creation poisons this group, so later calls fail fast.
         _GROUPS[(id(default_pg), self.timeout, purpose)] = (weakref.ref(default_pg), state)
         started = time.monotonic()
@@ -184,12 +235,30 @@ class Coordinator:
             keys = [f"{state.key}/peer/{r}" for r in range(self.world_size)]
             store = _store()
             store.set(keys[self.rank], json.dumps(self_record()))
-            store.wait(keys, timedelta(seconds=self.timeout))
+            self._await_peers(state, store, keys, started)
             state.peers = [json.loads(store.get(k)) for k in keys]
+            state.token = state.token or state.make_token()
             state.group = _new_gloo_group(self.timeout)
         except Exception as exc:  # a peer absent, dead, or the store gone
             raise self._lost_peers(state, "setup", SETUP_HINT, exc, started) from exc
         return state
+
+    def _await_peers(self, state: _GroupState, store: Any, keys: list[str], started: float) -> None:
+        """Wait (at most the timeout) until every rank published its record."""
+        deadline = started + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, timedelta(seconds=max(0.01, min(0.25, left))))
+                return
+            except Exception as exc:
+                if "timeout" not in str(exc).lower():
+                    raise  # the store is gone
+            gone = [r for r, p in enumerate(state.peers) if r != self.rank and is_gone(p)]
+            if gone:
+                raise _PeerExited(f"the process of rank(s) {_ranks(gone)} exited")
+            if left <= 0:
+                raise TimeoutError(f"wait timeout after {self.timeout:g}s for every rank's arrival")
 
     # ------------------------------------------------------------------ phases
     def run(self, phase: str, fn: Callable[[], Any], *, hint: str = "", done_hint: str = "") -> list[Any]:
@@ -290,7 +359,9 @@ class Coordinator:
         raw = _first_line(exc)
         low = raw.lower()
         closed = any(s in low for s in ("closed", "reset by peer", "broken pipe", "failed to recv"))
-        if "timeout caused pair closure" in low:
+        if isinstance(exc, _PeerExited):
+            seen = f"a peer's process exited while this rank waited (noticed after {elapsed:.1f}s)"
+        elif "timeout caused pair closure" in low:
             seen = f"a peer gave up waiting (its timeout expired) and closed the connection after {elapsed:.1f}s"
         elif closed:
             addr = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", raw)
@@ -321,21 +392,31 @@ class Coordinator:
             )
             failures = {r: f"process exited {when} {phase!r}" for r in gone}
         elif missing:
-            why = ("and is still running: hung, or busy outside safeckpt"
-                   if all(r in alive for r in missing) else "(died, hung, or raised outside safeckpt)")
+            if all(r in alive for r in missing):
+                states = sorted({process_state(state.peers[r]) or "alive" for r in missing})
+                why = f"and is still alive ({', '.join(states)}): hung, stopped, or busy outside safeckpt"
+            else:
+                why = "(died, hung, or raised outside safeckpt)"
             text = (
                 f"{self.what} failed: rank(s) {_ranks(missing)} (of {n}) did not reach phase "
                 f"{phase!r} {why} (seen here: {seen}). Check that rank's log. {tail}"
             )
             failures = {r: f"did not reach {phase!r} ({seen})" for r in missing}
         elif store_error:
+            host = process_state(state.peers[0]) if self.rank else None
+            if host:
+                guess = (f"rank 0's process is alive but {host}; if the store lives in rank 0 "
+                         "(a job started without torchrun's agent), rank 0 is frozen")
+            else:
+                guess = ("without torchrun's agent the store lives in rank 0, so rank 0 has "
+                         "most likely exited or its host is unreachable")
             text = (
                 f"{self.what} failed during {phase!r}: lost contact with a peer rank ({seen}) and "
-                f"the job's store{_store_address()} is unreachable ({store_error}). Without "
-                "torchrun's agent the store lives in rank 0, so rank 0 has most likely exited; "
-                f"which rank failed first cannot be told from here. {tail}"
+                f"the job's store{_store_address()} is unreachable ({store_error}): {guess}. "
+                f"Which rank failed first cannot be told from here. {tail}"
             )
-            failures = {}
+            stopped = host is not None and host.startswith("stopped")
+            failures = {0: f"process {host} while its peers waited in {phase!r}"} if stopped else {}
         else:
             text = (
                 f"{self.what} failed during {phase!r}: lost contact with a peer rank ({seen}; "
@@ -356,24 +437,30 @@ class Coordinator:
             return done_hint if done else hint
         done_key, failed_key = f"{state.key}/done/{state.seq}", f"{state.key}/failed/0"
         deadline = started + self.timeout
-        store: Any = _store()
-        while True:
-            if store is not None:
-                try:
-                    if store.check([done_key]):
-                        return done_hint
-                    if store.check([failed_key]):
-                        return hint  # it saw the failure, and had not completed its part
-                except Exception:  # the store went with rank 0: its note on this host may tell
-                    store = None
-            note = survivor_note(state.token, 0) if state.token else None
-            if note is not None and note.get("seq") == state.seq:
-                return done_hint if note.get("done") else hint
-            if is_gone(state.peers[0]) or time.monotonic() > deadline:
-                break  # rank 0 itself died: it may have completed just before
-            time.sleep(0.02)
-        return (f"Whether rank 0 completed {phase!r} before contact was lost is unknown here. "
-                f"If it did: {done_hint} If not: {hint}")
+
+        def poll(store: Any) -> str | None:
+            while True:
+                if store is not None:
+                    try:
+                        if store.check([done_key]):
+                            return done_hint
+                        if store.check([failed_key]):
+                            return hint  # it saw the failure, and had not completed its part
+                    except Exception:  # the store went with rank 0: its note here may tell
+                        store = None
+                note = survivor_note(state.token, 0) if state.token else None
+                if note is not None and note.get("seq") == state.seq:
+                    return done_hint if note.get("done") else hint
+                if is_gone(state.peers[0]) or time.monotonic() > deadline:
+                    return None  # rank 0 itself died: it may have completed just before
+                time.sleep(0.02)
+
+        try:
+            settled = _ask_store(poll, max(0.0, deadline - time.monotonic()) + 0.5)
+        except Exception:
+            settled = None
+        return settled or (f"Whether rank 0 completed {phase!r} before contact was lost is "
+                           f"unknown here. If it did: {done_hint} If not: {hint}")
 
     def _diagnose(self, state: _GroupState, closed: bool) -> tuple[list[int], list[int], list[int], str]:
         """(ranks whose process is gone and did not see the failure themselves, ranks that did
@@ -386,24 +473,30 @@ class Coordinator:
         store_error = ""
         missing: list[int] = []
         survivors: set[int] = set()
-        try:
-            store = _store()
+
+        def markers(store: Any) -> tuple[list[int], set[int], dict[int, Any]]:
+            absent, saw, records = [], set(), {}
             for r in others:
                 if state.seq == 0:  # setup: arrived = published its record
                     key = f"{state.key}/peer/{r}"
                     if store.check([key]):
-                        state.peers[r] = state.peers[r] or json.loads(store.get(key))
+                        records[r] = json.loads(store.get(key))
                     else:
-                        missing.append(r)
+                        absent.append(r)
                 else:
                     key = f"{state.key}/arrived/{r}"
                     if not store.check([key]) or int(store.get(key).decode()) < state.seq:
-                        missing.append(r)
+                        absent.append(r)
                 if store.check([f"{state.key}/failed/{r}"]):  # a group breaks once: same event
-                    survivors.add(r)
+                    saw.add(r)
+            return absent, saw, records
+
+        try:
+            missing, survivors, records = _ask_store(markers, _store_budget(self.timeout))
+            for r, record in records.items():
+                state.peers[r] = state.peers[r] or record
         except Exception as exc:  # the store's host is gone (or unreachable)
             store_error = _first_line(exc)
-            missing = []
         deadline = time.monotonic() + (DEATH_GRACE if closed else 0.0)
         while True:
             status = {r: is_gone(state.peers[r]) for r in others}

@@ -73,6 +73,20 @@ def is_gone(record: dict[str, Any] | None) -> bool | None:
 
 
 
+_STATES = {"R": "running", "S": "waiting", "D": "blocked in uninterruptible I/O", "T": "stopped",
+           "t": "stopped by a debugger"}
+
+
+def process_state(record: dict[str, Any] | None) -> str | None:
+    """How a live peer's process looks (``stopped``, ``running``...), None if unknown."""
+    if not record or is_gone(record) is not False:
+        return None
+    try:
+        return _STATES.get(_proc_stat(record["pid"])[0])  # type: ignore[index]
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+
+
 def _marker_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"safeckpt-survivors-{os.getuid()}")
 

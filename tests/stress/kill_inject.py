@@ -179,7 +179,9 @@ class Killer:
             if name != phase:
                 return real(coord, name, fn, **kwargs)
             n = killer.phase_calls[name] = killer.phase_calls.get(name, 0) + 1
-            if n != occurrence:
+            # "inside" points stay armed after their occurrence: a retention with nothing to
+            # delete (the restored step is protected) leaves the kill to the next save's
+            if n < occurrence or (n > occurrence and when != "inside"):
                 return real(coord, name, fn, **kwargs)
             if when == "entry":
                 killer.die()
