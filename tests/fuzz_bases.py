@@ -17,6 +17,7 @@ tensor, bf16/f16/int/bool tensors.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -29,6 +30,7 @@ from torch import nn
 
 import safeckpt
 
+MANIFEST = "manifest.json"
 STEP_A = "step-0000000001"
 STEP_B = "step-0000000002"
 
@@ -132,9 +134,15 @@ def write_ddp(root: str) -> None:
         raise RuntimeError(f"writing the ddp base failed: {[(o.rank, o.message) for o in bad]}")
 
 
+_FRESH: list[dict[str, Any]] = []
+
+
 def fresh_state() -> dict[str, Any]:
-    """A load target with the bases' layout and values unlike both A and B."""
-    return build_state(7)
+    """A load target with the bases' layout and values unlike both A and B (a deep copy of one
+    built once: modules, optimizer and scheduler copied together keep their links)."""
+    if not _FRESH:
+        _FRESH.append(build_state(7))
+    return copy.deepcopy(_FRESH[0])
 
 
 # ------------------------------------------------------------------ snapshots and equality

@@ -42,7 +42,8 @@ import warnings
 from typing import Any
 
 from tests.fuzz_bases import STEP_A, STEP_B, first_difference, fresh_state, snapshot
-from tests.fuzz_mutants import Mutant, apply
+from tests.fuzz_files import apply
+from tests.fuzz_mutants import Mutant
 
 BAD = ("SILENT", "NON_CHECKPOINT_ERROR", "STATE_MODIFIED_ON_FAILURE", "VERIFY_OK_BUT_LOAD_FAILS",
        "RESTORE_NO_FALLBACK", "OUTSIDE_READ", "HANG", "MEMORY", "CRASH")
@@ -72,7 +73,9 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         p = os.path.abspath(os.fsdecode(path))
         lex, real = _WATCH
         if not (_under(p, lex) or _under(p, real)):
-            if not (p.startswith(_RUNTIME) or p.endswith((".py", ".pyc", ".so"))):
+            # Imports, and linecache probing pseudo-files ("<unknown>") while formatting tracebacks.
+            pseudo = os.path.basename(p).startswith("<")
+            if not (pseudo or p.startswith(_RUNTIME) or p.endswith((".py", ".pyc", ".so"))):
                 _OUTSIDE.append(p)
             return
         flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
@@ -202,9 +205,11 @@ def _cli(ckpt: str, root: str, progress: Any) -> dict[str, Any]:
 
     from safeckpt import cli
 
+    global _WATCH
     out = {}
     for argv in (["verify", ckpt], ["inspect", ckpt], ["ls", root]):
         progress(f"cli {argv[0]}")
+        _WATCH = (os.path.abspath(argv[1]), os.path.realpath(argv[1]))  # what the user named
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             code = cli.main(argv)
@@ -214,7 +219,8 @@ def _cli(ckpt: str, root: str, progress: Any) -> dict[str, Any]:
     return out
 
 
-def run_mutant(m: Mutant, root: str, refs: Refs, scratch: str, progress: Any) -> dict[str, Any]:
+def run_mutant(m: Mutant, root: str, refs: Refs, scratch: str, progress: Any,
+               calls_to_run: tuple[str, ...] = CALLS) -> dict[str, Any]:
     ws = tempfile.mkdtemp(prefix=f"m{m.id}-", dir=scratch)
     try:
         shutil.copytree(root, os.path.join(ws, "root"), symlinks=True)
@@ -228,7 +234,7 @@ def run_mutant(m: Mutant, root: str, refs: Refs, scratch: str, progress: Any) ->
         outside: dict[str, list[str]] = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name in CALLS:
+            for name in calls_to_run:
                 progress(name)
                 del _OUTSIDE[:]
                 calls[name] = _call(name, ckpt, ckpt_root, refs, progress)
@@ -268,7 +274,7 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         if c.get("modified"):
             add("STATE_MODIFIED_ON_FAILURE", f"{name} raised {exc['name'] if exc else '?'} "
                 f"({exc['msg'][:100] if exc else ''}) after changing {c['modified']}")
-    for cmd, res in calls["cli"].get("cli", {}).items():
+    for cmd, res in calls.get("cli", {}).get("cli", {}).items():
         if res["code"] == CLI_INTERNAL or res["traceback"]:
             add("NON_CHECKPOINT_ERROR", f"cli: safeckpt {cmd}: exit {res['code']}: {res['last']} at cli")
     for name in ("verify_deep", "verify_shallow"):
@@ -349,7 +355,7 @@ def _call_text(c: dict[str, Any]) -> str:
     return "loaded" + (f", diff {c['diff']}" if c.get("diff") else " (equal)")
 
 
-def worker_main(conn: Any, bases: dict[str, str], scratch: str) -> None:
+def worker_main(conn: Any, bases: dict[str, str], scratch: str, calls: tuple[str, ...] = CALLS) -> None:
     """Worker loop: refs first, then one mutant per message until None."""
     try:
         sys.addaudithook(_audit)
@@ -366,7 +372,7 @@ def worker_main(conn: Any, bases: dict[str, str], scratch: str) -> None:
         if m is None:
             return
         try:
-            result = run_mutant(m, bases[m.base], refs[m.base], scratch, lambda s: conn.send(("call", s)))
+            result = run_mutant(m, bases[m.base], refs[m.base], scratch, lambda s: conn.send(("call", s)), calls)
         except Exception as exc:  # noqa: BLE001 - the harness itself failed on this mutant
             result = {"mutant": mutant_dict(m), "outcome": "BAD", "calls": {},
                       "bad": {"CRASH": "fuzzer error: " + "".join(traceback.format_exception(exc))[-600:]},
@@ -375,11 +381,28 @@ def worker_main(conn: Any, bases: dict[str, str], scratch: str) -> None:
 
 
 # ------------------------------------------------------------------ parent side
+CANARY = Mutant(-1, "single", "canary", "the harness itself blocks (opens a FIFO for writing)",
+                (("fifo", "@outside/canary"), ("append", "@outside/canary", b"x")))
+"""Run last by every fuzz run: it must come back as a blocked HANG, or hang detection is broken."""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time used so far by process ``pid`` (0 if unknown): tells a slow call from a blocked one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class Pool:
     """One worker process at a time; a call over ``call_timeout`` seconds is a HANG."""
 
-    def __init__(self, bases: dict[str, str], *, call_timeout: float = 30.0, start_timeout: float = 300.0) -> None:
+    def __init__(self, bases: dict[str, str], *, call_timeout: float = 30.0, start_timeout: float = 300.0,
+                 calls: tuple[str, ...] = CALLS) -> None:
         self.bases = bases
+        self.calls = calls
         self.call_timeout = call_timeout
         self.start_timeout = start_timeout
         self.scratch = tempfile.mkdtemp(prefix="safeckpt-fuzz-")
@@ -403,7 +426,7 @@ class Pool:
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            self.proc = ctx.Process(target=worker_main, args=(child, self.bases, self.scratch), daemon=True)
+            self.proc = ctx.Process(target=worker_main, args=(child, self.bases, self.scratch, self.calls), daemon=True)
             self.proc.start()
         finally:
             if env_threads is None:
@@ -429,16 +452,22 @@ class Pool:
         self.proc = None
         self.restarts += 1
 
-    def run(self, m: Mutant) -> dict[str, Any]:
+    def run(self, m: Mutant, timeout: float | None = None) -> dict[str, Any]:
+        """Run one mutant; ``timeout`` overrides the per-call limit (for the canary)."""
+        limit = self.call_timeout if timeout is None else timeout
         if self.proc is None:
             self._start()
         self.conn.send(m)
         current = "send"
         t0 = time.monotonic()
+        cpu0 = _cpu_seconds(self.proc.pid)
         while True:
-            if not self.conn.poll(self.call_timeout):
+            if not self.conn.poll(limit):
+                used = _cpu_seconds(self.proc.pid) - cpu0
+                how = (f"busy: {used:.0f}s of CPU, slow rather than blocked" if used > limit / 4
+                       else f"blocked: {used:.1f}s of CPU")
                 self._kill()
-                return self._failed(m, "HANG", f"{current} did not return within {self.call_timeout:.0f}s")
+                return self._failed(m, "HANG", f"{current} did not return within {limit:.0f}s ({how})")
             try:
                 kind, info = self.conn.recv()
             except (EOFError, OSError):
@@ -447,6 +476,7 @@ class Pool:
                 return self._failed(m, "CRASH", f"worker died (exit code {code}) during {current}")
             if kind == "call":
                 current = info
+                cpu0 = _cpu_seconds(self.proc.pid)
                 continue
             info["secs"] = round(time.monotonic() - t0, 2)
             if info["rss_mb"] > 50:  # keep the next mutant's peak-RSS baseline honest

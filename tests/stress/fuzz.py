@@ -20,6 +20,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 from tests.fuzz_bases import write_ddp, write_single
 from tests.fuzz_mutants import BaseView, generate
-from tests.fuzz_oracle import BAD, GOOD, Pool
+from tests.fuzz_oracle import BAD, CALLS, CANARY, GOOD, Pool
 
 
 def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
@@ -47,14 +48,14 @@ def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
 def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 << 20,
              only: Iterable[int] | None = None, classes: list[str] | None = None,
              call_timeout: float = 30.0, progress: Any = None, on_batch: Any = None,
-             batch: int = 250) -> list[dict[str, Any]]:
+             batch: int = 250, calls: tuple[str, ...] = CALLS) -> list[dict[str, Any]]:
     """Generate and run mutants; one result dict per mutant (see fuzz_oracle.classify)."""
     views = {name: BaseView.load(name, root) for name, root in bases.items()}
     wanted = set(only) if only else None
     last = (max(wanted) + 1) if wanted else count
     results = []
     t0 = time.monotonic()
-    with Pool(bases, call_timeout=call_timeout) as pool:
+    with Pool(bases, call_timeout=call_timeout, calls=calls) as pool:
         for m in generate(views, seed, last, huge=huge, classes=classes):
             if wanted is not None and m.id not in wanted:
                 continue
@@ -65,6 +66,9 @@ def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 <<
                 bad = sum(1 for r in results if r["bad"])
                 progress(f"{len(results)} mutants, {bad} bad, {time.monotonic() - t0:.0f}s, "
                          f"{pool.restarts} worker restarts")
+        canary = pool.run(CANARY, timeout=3)
+        if "blocked" not in canary["bad"].get("HANG", ""):
+            raise RuntimeError(f"the fuzzer's hang detection is broken: {canary}")
     return results
 
 
@@ -93,12 +97,20 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def signature(label: str, detail: str) -> str:
-    """What makes two bad outcomes the same finding: the call, error type and location."""
-    head = detail.split(":", 1)[0]
-    at = detail.rsplit(" at ", 1)[1] if " at " in detail else ""
-    kind = detail.split(":", 2)[1].strip() if detail.count(":") >= 2 else ""
-    return f"{head} | {kind.split(' ')[0][:40]} | {at}" if at else f"{head} | {detail[:80]}"
+def signature(label: str, r: dict[str, Any]) -> str:
+    """What makes two bad outcomes the same finding: the call, error type and location (or,
+    for hangs and memory, the call and the kind of mutant)."""
+    detail = r["bad"][label]
+    if " at " in detail:
+        head = detail.split(":", 1)[0]
+        kind = detail.split(":", 2)[1].strip().split(" ")[0][:40] if detail.count(":") >= 2 else ""
+        return f"{head} | {kind} | {detail.rsplit(' at ', 1)[1]}"
+    what = re.sub(r"\d+", "N", r["mutant"]["desc"])[:70]
+    if label == "HANG":
+        return f"{detail.split(' did not')[0]} | {detail.split('(')[-1].split(':')[0]} | {what}"
+    if label == "MEMORY":
+        return f"{r['mutant']['cls']} | {what}"
+    return re.sub(r"/tmp/\S+", "...", re.sub(r"\d+", "N", detail))[:100]
 
 
 def findings(results: list[dict[str, Any]], *, header: str = "", per_label: int = 5) -> str:
@@ -113,7 +125,7 @@ def findings(results: list[dict[str, Any]], *, header: str = "", per_label: int 
             continue
         sigs: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for r in hits:
-            sigs[signature(label, r["bad"][label])].append(r)
+            sigs[signature(label, r)].append(r)
         out.append("| count | signature (call / error / location) | classes |")
         out.append("|---|---|---|")
         for sig, rs in sorted(sigs.items(), key=lambda kv: -len(kv[1]))[:25]:

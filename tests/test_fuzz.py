@@ -1,0 +1,76 @@
+"""Damaged checkpoints never load silently, crash, hang, read outside, or touch the state (issue 8).
+
+A seeded sample of the mutation fuzzer (:mod:`tests.fuzz_mutants`, :mod:`tests.fuzz_oracle`):
+real checkpoints (one saved by this process, one by 2 gloo ranks with DDP) damaged in their
+manifest (plain and with a recomputed checksum), data files and directory, then read by
+verify, read_state_dict, load, CheckpointManager.restore and list in a worker process with a
+per-call time limit. Each bad outcome class must have zero mutants. A failure prints the
+mutants and the command that reruns them; the full run (>= 5,000 mutants) is
+``python -m tests.stress.fuzz --mutants 5000 --seed 1 --out FILE.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.fuzz_oracle import BAD, CALLS
+from tests.stress.fuzz import _example, make_bases, run_fuzz
+
+SEED = 8
+COUNT = 250
+HUGE_MB = 96  # over the manifest size cap, small enough for a quick test
+CALL_TIMEOUT = 45.0  # a legit call on the largest sample manifest takes ~10 s on a busy VM
+SAMPLE_CALLS = tuple(c for c in CALLS if c != "cli")  # the CLI runs in the full run (time)
+
+# Bad outcomes that the current src/ still produces in this sample (strict: when one is fixed
+# the test fails as XPASS, and its entry here must go).
+KNOWN: dict[str, str] = {
+    "MEMORY": "a manifest under the 64 MiB size cap can still cost far more to parse: 19 MiB "
+              "holding a long JSON array grows RSS by ~230 MB (a 60 MiB one by ~700 MB)",
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    bases = make_bases(str(tmp_path_factory.mktemp("fuzz-bases")))
+    return run_fuzz(bases, seed=SEED, count=COUNT, huge=HUGE_MB << 20, call_timeout=CALL_TIMEOUT,
+                    calls=SAMPLE_CALLS)
+
+
+def _params() -> list[Any]:
+    return [pytest.param(label, marks=pytest.mark.xfail(strict=True, reason=KNOWN[label]))
+            if label in KNOWN else label for label in BAD]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("label", _params())
+def test_no_mutant_has_bad_outcome(results: list[dict[str, Any]], label: str) -> None:
+    hits = [r for r in results if label in r["bad"]]
+    if hits:
+        ids = ",".join(str(r["mutant"]["id"]) for r in hits[:20])
+        pytest.fail(
+            f"{len(hits)} of {len(results)} mutants: {label}\n"
+            + "\n".join(_example(r, label) for r in hits[:6])
+            + f"\nrerun: .venv/bin/python -m tests.stress.fuzz --seed {SEED} --mutants {COUNT} "
+            f"--huge-mb {HUGE_MB} --only {ids}",
+            pytrace=False,
+        )
+
+
+@pytest.mark.timeout(600)
+def test_fuzzer_reaches_every_family(results: list[dict[str, Any]]) -> None:
+    """The sample is not vacuous: every family ran, controls load, damage is refused."""
+    assert len(results) == COUNT
+    classes = {r["mutant"]["cls"] for r in results}
+    for family in ("manifest.value", "manifest.syntax", "forged.chunks", "forged.tree",
+                   "data.bitflip_data", "data.special", "data.link", "dir.manifest_special"):
+        assert family in classes, family
+    assert {r["mutant"]["base"] for r in results} == {"single", "ddp"}
+    by = {o: [r for r in results if r["outcome"] == o] for o in ("CAUGHT", "BENIGN", "FORGED_LOADED")}
+    assert len(by["CAUGHT"]) > COUNT // 2
+    # Reformatted manifests (same parsed JSON) and consistent forged edits do load: the oracle
+    # can tell a loaded checkpoint from a refused one.
+    assert any(r["mutant"]["cls"] == "manifest.benign" for r in by["BENIGN"])
+    assert by["FORGED_LOADED"]
