@@ -87,10 +87,20 @@ def test_any_unsigned_value_edit_is_detected(ckpt):
             safeckpt.load(ckpt, _state(1))
         report = safeckpt.verify(ckpt, deep=False)
         assert not report.ok and "checksum" in report.problems[0]
-    # Whitespace and key order are not edits of a value.
-    (ckpt / "manifest.json").write_text(json.dumps(original, indent=2, sort_keys=True))
+    # Whitespace is not an edit; the order of keys is (dicts come back in their saved order).
+    (ckpt / "manifest.json").write_text(json.dumps(original, indent=2))
     assert safeckpt.verify(ckpt).ok
     safeckpt.load(ckpt, _state(1))
+    (ckpt / "manifest.json").write_text(json.dumps(original, sort_keys=True))
+    assert not safeckpt.verify(ckpt).ok
+
+
+def test_dict_key_order_round_trips(tmp_path):
+    tree = {"zeta": 1, "alpha": {"b": torch.ones(1), "a": 2}, "mid": [3, {"y": 1, "x": 2}]}
+    safeckpt.save(tmp_path / "ck", {"tree": tree})
+    back = safeckpt.read_state_dict(tmp_path / "ck", nested=True)["tree"]
+    assert list(back) == ["zeta", "alpha", "mid"]
+    assert list(back["alpha"]) == ["b", "a"] and list(back["mid"][1]) == ["y", "x"]
 
 
 def test_signed_structural_damage_is_named(ckpt):

@@ -14,7 +14,7 @@ xxh3-64 checksum); for each file its size and xxh3-128 checksum. Files are plain
 and open with any safetensors reader.
 
 The manifest carries its own checksum (``manifest_xxh3_128``, xxh3-128 of its canonical JSON
-without that field), so an edit of any value is detected. Every field is validated before use
+without that field, keys in their order), so an edit of any value is detected. Every field is validated before use
 (:mod:`safeckpt._validate`): names (no absolute paths, no ``..``, no separators), dtypes,
 shapes, chunk boxes that tile each tensor exactly, byte ranges inside their files, trees.
 Files are opened without following symlinks and only if they are regular files.
@@ -183,9 +183,10 @@ def check_manifest_size(size: int, where: str, ckpt_dir: str) -> None:
 
 
 def _canonical(man: dict[str, Any]) -> str:
-    """The manifest without its checksum field as canonical JSON (sorted keys, compact, ASCII)."""
+    """The manifest without its checksum field as compact ASCII JSON, keys in their order (dict
+    order is content: a state dict's key order comes back as it was saved)."""
     body = {k: v for k, v in man.items() if k != CHECKSUM_FIELD}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
 
 
 def manifest_digest(man: dict[str, Any]) -> str:
@@ -195,7 +196,7 @@ def manifest_digest(man: dict[str, Any]) -> str:
 
 def encode_manifest(man: dict[str, Any]) -> bytes:
     """The bytes of ``manifest.json``: the manifest in canonical form plus a checksum over it,
-    so an edit of any value is detected (whitespace and key order do not matter).
+    so an edit of any value (or of the order of keys) is detected; whitespace does not matter.
 
     ``man`` must hold only what JSON round-trips (dicts with string keys, lists, str, int,
     float, bool, None): the save path builds it so. A reader parses the file and checks the
