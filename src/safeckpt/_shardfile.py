@@ -375,11 +375,15 @@ class MappedFile:
         """xxh3-64 of bytes [start, end), read through a per-thread buffer of at most ``window``
         bytes (the reads also bring the bytes into the page cache for the copy that follows)."""
         h = xxhash.xxh3_64()
-        buf = _bounce(min(window, HASH_BUFFER))
-        for off in range(start, end, len(buf)):
-            n = min(len(buf), end - off)
-            self.read_into(off, buf[:n])
-            h.update(buf[:n])
+        step = min(window, HASH_BUFFER)
+        buf = _BOUNCE.take()
+        try:
+            for off in range(start, end, step):
+                n = min(step, end - off)
+                self.read_into(off, buf[:n])
+                h.update(buf[:n])
+        finally:
+            _BOUNCE.give(buf)
         return h.hexdigest()
 
     def close(self) -> None:
@@ -395,12 +399,27 @@ class MappedFile:
 
 
 HASH_BUFFER = 16 << 20  # bytes read per call while hashing
-_local = threading.local()
 
 
-def _bounce(n: int) -> memoryview:
-    """A reusable buffer of ``n`` bytes for this thread (hashing reads into it)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _local.buf = memoryview(bytearray(n))
-    return buf[:n]
+class _BufferPool:
+    """A few HASH_BUFFER-sized buffers shared by the reading threads of every load, so a
+    load does not allocate (and page-fault in) fresh buffers each time."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.free: list[memoryview] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return memoryview(bytearray(HASH_BUFFER))
+
+    def give(self, buf: memoryview) -> None:
+        with self.lock:
+            if len(self.free) < self.keep:
+                self.free.append(buf)
+
+
+_BOUNCE = _BufferPool()
