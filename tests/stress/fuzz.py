@@ -21,13 +21,14 @@ import collections
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.fuzz_bases import write_ddp, write_single
+from tests.fuzz_bases import STEP_A, STEP_B, write_ddp, write_single
 from tests.fuzz_mutants import BaseView, generate
 from tests.fuzz_oracle import BAD, CALLS, CANARY, GOOD, Pool
 
@@ -38,11 +39,19 @@ def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
     if ddp:
         bases["ddp"] = os.path.join(workdir, "ddp")
     for name, root in bases.items():
-        if os.path.isdir(os.path.join(root, "step-0000000002")):
+        if _still_valid(root):
             continue
-        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)  # absent, or written by an older format
+        os.makedirs(root)
         (write_single if name == "single" else write_ddp)(root)
     return bases
+
+
+def _still_valid(root: str) -> bool:
+    import safeckpt
+
+    steps = [os.path.join(root, s) for s in (STEP_A, STEP_B)]
+    return all(os.path.isdir(s) and safeckpt.verify(s, deep=False).ok for s in steps)
 
 
 def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 << 20,
