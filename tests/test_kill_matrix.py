@@ -28,8 +28,9 @@ def test_kill_matrix_sample(tmp_path):
     specs = [kill_matrix.sample(7, i, TIMEOUT, worlds=(2, 3)) for i in range(4)]
     specs += [
         # Killed inside gloo's connect while safeckpt's group is created at the start-up
-        # restore: survivors used to wait 5x the timeout.
-        _spec(100, point="setup/connect", world=3, victim=2, store_ops=1, mode="sync"),
+        # restore: survivors used to wait 5x the timeout. Rank 0 (the store's host) fails
+        # fast and exits; the ranks still connecting must blame rank 2, not rank 0.
+        _spec(100, point="setup/connect", world=4, victim=2, store_ops=1, mode="sync"),
         # Killed in retention after the checkpoint was published: the message says so.
         _spec(101, point="save/retain", world=2, victim=1, mode="async", occurrence=1),
         # Rank 0 (the store's host) killed after publishing: survivors must not blame others.
@@ -48,3 +49,4 @@ def test_kill_matrix_sample(tmp_path):
         assert survivor["blamed"] == [1], survivor
     for survivor in by_trial[100]["survivors"].values():
         assert survivor["type"] == "RankFailure" and survivor["tte"] < TIMEOUT, survivor
+        assert survivor["blamed"] == [2], survivor

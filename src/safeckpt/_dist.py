@@ -244,21 +244,51 @@ class Coordinator:
         return state
 
     def _await_peers(self, state: _GroupState, store: Any, keys: list[str], started: float) -> None:
-        """Wait (at most the timeout) until every rank published its record."""
-        deadline = started + self.timeout
-        while True:
-            left = deadline - time.monotonic()
+        """Wait (at most the timeout) until every rank published its record.
+
+        With the processes known from an earlier group, a helper thread polls the store on its
+        own connection while this thread watches them: one that exits fails the setup at once
+        (the async group after a rank died in the snapshot, for instance).
+        """
+        if not any(p for r, p in enumerate(state.peers) if r != self.rank):
+            store.wait(keys, timedelta(seconds=self.timeout))
+            return
+        box: dict[str, Any] = {}
+        stop = threading.Event()
+
+        def poll() -> None:  # check() returns at once and, unlike a timed-out wait, logs nothing
             try:
-                store.wait(keys, timedelta(seconds=max(0.01, min(0.25, left))))
-                return
-            except Exception as exc:
-                if "timeout" not in str(exc).lower():
-                    raise  # the store is gone
-            gone = [r for r, p in enumerate(state.peers) if r != self.rank and is_gone(p)]
-            if gone:
-                raise _PeerExited(f"the process of rank(s) {_ranks(gone)} exited")
-            if left <= 0:
-                raise TimeoutError(f"wait timeout after {self.timeout:g}s for every rank's arrival")
+                try:
+                    own = store.clone()
+                except Exception:  # a store without clone: share it (nothing else uses it now)
+                    own = store
+                pause = 0.01
+                while not stop.is_set():
+                    if own.check(keys):
+                        box["ok"] = True
+                        return
+                    stop.wait(pause)
+                    pause = min(pause * 1.5, 0.2)
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                box["error"] = exc
+
+        helper = threading.Thread(target=poll, name="safeckpt-rendezvous", daemon=True)
+        helper.start()
+        deadline = started + self.timeout
+        try:
+            while True:
+                helper.join(0.05)
+                if "error" in box:
+                    raise box["error"]
+                if box.get("ok"):
+                    return
+                gone = [r for r, p in enumerate(state.peers) if r != self.rank and is_gone(p)]
+                if gone:
+                    raise _PeerExited(f"the process of rank(s) {_ranks(gone)} exited")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"wait timeout after {self.timeout:g}s for every rank's arrival")
+        finally:
+            stop.set()
 
     # ------------------------------------------------------------------ phases
     def run(self, phase: str, fn: Callable[[], Any], *, hint: str = "", done_hint: str = "") -> list[Any]:
