@@ -30,7 +30,7 @@ from tests.test_remote import _state
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-SMALL_PART = 5 << 20  # S3's minimum part size: a 12 MiB file is a 3-part multipart upload
+SMALL_PART = 5 << 20  # S3's minimum part size: a rank's 12 MiB share is a 3-part multipart upload
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def _scenarios(rank: int, world: int, ep: str, proxy_ep: str, hung_ep: str, auth
     popts = s3_harness.options(proxy_ep)
     with safeckpt.CheckpointManager("s3://run-a/outage", keep_last=None, preemption_signals=(),
                                     storage_options=popts, timeout=20) as mgr:
-        mgr.save(1, _state(1.0, rank, mib=12))
+        mgr.save(1, _state(1.0, rank, mib=24))
         from safeckpt._storage_s3 import MultipartWriter
 
         real = MultipartWriter.upload_part
@@ -135,17 +135,17 @@ def _scenarios(rank: int, world: int, ep: str, proxy_ep: str, hung_ep: str, auth
         if rank == 0:
             MultipartWriter.upload_part = dropping
         t0 = time.monotonic()
-        out["outage"] = dist_harness.attempt(lambda: mgr.save(2, _state(2.0, rank, mib=12)))
+        out["outage"] = dist_harness.attempt(lambda: mgr.save(2, _state(2.0, rank, mib=24)))
         out["outage_elapsed"] = time.monotonic() - t0
         MultipartWriter.upload_part = real
         if rank == 0:
             (sync_dir / "restore").touch()
         _wait_file(sync_dir / "restored")
-        mgr.save(3, _state(3.0, rank, mib=12))
+        mgr.save(3, _state(3.0, rank, mib=24))
         out["after_outage"] = [i.step for i in mgr.list()]
-        st4 = _state(0.0, rank, mib=12)
+        st4 = _state(0.0, rank, mib=24)
         safeckpt.load("s3://run-a/outage/step-0000000003", st4, storage_options=popts)
-        out["after_outage_ok"] = _same(st4, _state(3.0, rank, mib=12))
+        out["after_outage_ok"] = _same(st4, _state(3.0, rank, mib=24))
 
     # Wrong credentials: one clear error.
     bad = s3_harness.options(auth_ep, key="wrong", secret="wrong")
@@ -240,23 +240,23 @@ def _kill_mid_upload(rank: int, world: int, ep: str, root: str) -> None:
     _small_parts()
     mgr = safeckpt.CheckpointManager(root, keep_last=None, preemption_signals=(),
                                      storage_options=s3_harness.options(ep))
-    mgr.save(1, _state(1.0, rank, mib=12))
+    mgr.save(1, _state(1.0, rank, mib=24))
     _kill_after_first_part()
-    mgr.save(2, _state(2.0, rank, mib=12))
+    mgr.save(2, _state(2.0, rank, mib=24))
 
 
 def _resume_sweep_then_die(rank: int, world: int, ep: str, root: str, report: str) -> None:
     _small_parts()
     mgr = safeckpt.CheckpointManager(root, keep_last=None, preemption_signals=(),
                                      storage_options=s3_harness.options(ep))
-    st = _state(0.0, rank, mib=12)
-    res = {"restored": mgr.restore(st), "ok": _same(st, _state(1.0, rank, mib=12))}
-    mgr.save(2, _state(2.0, rank, mib=12))  # its sweep aborts the killed job's uploads first
+    st = _state(0.0, rank, mib=24)
+    res = {"restored": mgr.restore(st), "ok": _same(st, _state(1.0, rank, mib=24))}
+    mgr.save(2, _state(2.0, rank, mib=24))  # its sweep aborts the killed job's uploads first
     res["uploads_after_save"] = len(s3_harness.uploads(ep, "run-b"))
     Path(f"{report}.{rank}").write_text(json.dumps(res))
     torch.distributed.barrier()
     _kill_after_first_part()
-    mgr.save(3, _state(3.0, rank, mib=12))
+    mgr.save(3, _state(3.0, rank, mib=24))
 
 
 def _cli(capsys, ep: str, *args: str) -> tuple[int, str, str]:

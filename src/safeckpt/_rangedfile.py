@@ -5,9 +5,9 @@ a few hundred tensors take longer than downloading the whole object. So reads ar
 *windows* of concurrent ranged GETs and the windows are kept (up to ``KEEP`` bytes per object)
 for the reads that follow, in particular the copy after a chunk was verified:
 
-- On the first whole-chunk read, the ranges this rank will most likely need (``likely``, from
-  the manifest: replicated chunks, its own per-rank chunks, the shards its rank number wrote)
-  are fetched together, in one round of concurrent parts.
+- On the first read, the ranges this rank will most likely need (``likely``: for a verified
+  load, from the manifest: replicated chunks, its own per-rank chunks, the shards its rank
+  number wrote) are fetched together with the header, in one round of concurrent parts.
 - Other reads fetch their range, extended to ``READAHEAD`` for small ones.
 - ``rows`` (a partial chunk, when resharding without verification) fetches exactly its rows.
 - A read larger than ``KEEP`` is fetched in parts and not kept.
@@ -18,6 +18,8 @@ each call bounded by the timeout); this module only decides what to fetch and ke
 
 from __future__ import annotations
 
+import bisect
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +32,7 @@ from .errors import CorruptCheckpoint
 
 READAHEAD = 4 << 20  # a small read fetches this much from its start
 KEEP = 512 << 20  # fetched windows kept per object (verified chunks are read again by the copy)
-MIN_PART = 16 << 20  # a window is fetched in parts of at least this size ...
+MIN_PART = 32 << 20  # a window is fetched in parts of at least this size ...
 MAX_PARTS = 8  # ... and at most this many at once
 MERGE_GAP = 1 << 20  # likely ranges closer than this are fetched as one
 
@@ -71,15 +73,16 @@ class RemoteFile:
                 "(truncated or replaced)", path=ckpt,
             )
         self.size = size
+        self._cuts = sorted({b for r in likely for b in r})  # chunk boundaries: where parts may end
         self._likely = coalesce(likely)
-        self._windows: OrderedDict[tuple[int, int], bytearray] = OrderedDict()  # LRU
+        # Fetched parts, as the store returned them (no copy), least recently used first.
+        self._windows: OrderedDict[tuple[int, int], bytes] = OrderedDict()
         self._kept = 0
         self.fetched = 0  # bytes fetched from the store (for tests and statistics)
 
     # ------------------------------------------------------------------ fetching
-    def _fetch(self, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
-        """Each range as a new buffer, all parts fetched concurrently."""
-        parts = [p for lo, hi in ranges for p in split(lo, hi)]
+    def _fetch(self, parts: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each part, fetched concurrently."""
         try:
             got = self.store.fetch(self.path, [p[0] for p in parts], [p[1] for p in parts])
         except FileNotFoundError:
@@ -87,34 +90,44 @@ class RemoteFile:
                 f"data file {self.path} vanished while reading (deleted by retention or an "
                 "overwrite?)", path=self.ckpt,
             ) from None
-        out, i = [], 0
-        for lo, hi in ranges:
-            buf = bytearray(hi - lo)
-            while i < len(parts) and parts[i][1] <= hi:
-                plo, phi = parts[i]
-                data = got[i]
-                if len(data) != phi - plo:
-                    raise CorruptCheckpoint(
-                        f"short read from {self.path} bytes {plo}-{phi} (got {len(data)}): the "
-                        "object changed or was deleted while reading", path=self.ckpt,
-                    )
-                buf[plo - lo : phi - lo] = data
-                i += 1
-            out.append(buf)
-        self.fetched += sum(hi - lo for lo, hi in ranges)
+        for (lo, hi), data in zip(parts, got):
+            if len(data) != hi - lo:
+                raise CorruptCheckpoint(
+                    f"short read from {self.path} bytes {lo}-{hi} (got {len(data)}): the object "
+                    "changed or was deleted while reading", path=self.ckpt,
+                )
+        self.fetched += sum(hi - lo for lo, hi in parts)
+        return got
+
+    def _fetch_kept(self, parts: Sequence[tuple[int, int]]) -> None:
+        for (lo, hi), data in zip(parts, self._fetch(parts)):
+            if hi - lo > KEEP:
+                continue
+            while self._windows and self._kept + hi - lo > KEEP:
+                (a, b), _ = self._windows.popitem(last=False)
+                self._kept -= b - a
+            self._windows[(lo, hi)] = data
+            self._kept += hi - lo
+
+    def _split(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) in parts for one round of requests, cut at chunk boundaries where one is
+        near, so that a chunk is served from one part (no copy to join it)."""
+        out = []
+        for a, b in split(lo, hi):
+            if out and out[-1][1] > a:
+                a = out[-1][1]
+            if a >= b:
+                continue
+            i = bisect.bisect_left(self._cuts, b)  # the first boundary at or after b
+            if b < hi and i < len(self._cuts) and self._cuts[i] < hi and self._cuts[i] - b < (b - a) // 2:
+                b = self._cuts[i]
+            out.append((a, b))
+        if out and out[-1][1] < hi:
+            out.append((out[-1][1], hi))
         return out
 
-    def _keep(self, lo: int, buf: bytearray) -> None:
-        if len(buf) > KEEP:
-            return
-        while self._windows and self._kept + len(buf) > KEEP:
-            (a, b), _ = self._windows.popitem(last=False)
-            self._kept -= b - a
-        self._windows[(lo, lo + len(buf))] = buf
-        self._kept += len(buf)
-
     def _cached(self, start: int, end: int) -> memoryview | None:
-        """Bytes [start, end) from the fetched windows (joined if they span several), or None."""
+        """Bytes [start, end) from the fetched parts (joined if they span several), or None."""
         for (lo, hi), buf in self._windows.items():
             if lo <= start and end <= hi:
                 self._windows.move_to_end((lo, hi))
@@ -127,18 +140,17 @@ class RemoteFile:
         return memoryview(bytearray(b"".join(pieces))) if pos == end else None
 
     def _prefetch_likely(self) -> None:
-        """Once, at the first whole-chunk read: fetch the ranges this rank will most likely
-        read (less what is already here, such as the header's window), in one round."""
-        ranges, total = [], 0
+        """Once, at the first read: fetch the ranges this rank will most likely read (less
+        what is already here), in one round."""
+        parts, total = [], 0
         for lo, hi in self._missing(self._likely):
             if total + hi - lo > KEEP:
                 break
-            ranges.append((lo, hi))
+            parts += self._split(lo, hi)
             total += hi - lo
         self._likely = []
-        if ranges:
-            for (lo, _), buf in zip(ranges, self._fetch(ranges)):
-                self._keep(lo, buf)
+        if parts:
+            self._fetch_kept(parts)
 
     def _missing(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` less the fetched windows."""
@@ -157,31 +169,32 @@ class RemoteFile:
         if hit is not None:
             return hit
         hi = min(self.size, max(end, start + READAHEAD))
-        (buf,) = self._fetch([(start, hi)])
-        self._keep(start, buf)
-        return memoryview(buf)[: end - start]
+        if end - start > KEEP:
+            return memoryview(b"".join(self._fetch(split(start, end))))
+        self._fetch_kept(self._split(start, hi))
+        hit = self._cached(start, end)
+        assert hit is not None
+        return hit
 
     # ------------------------------------------------------------------ reads
     def read(self, start: int, end: int) -> bytes:
         """A copy of bytes [start, end) (small reads such as the safetensors header)."""
         if end <= start:
             return b""
-        hit = self._cached(start, end)
-        if hit is None:
-            hi = min(self.size, max(end, start + READAHEAD))
-            (buf,) = self._fetch([(start, hi)])
-            self._keep(start, buf)
-            hit = memoryview(buf)[: end - start]
-        return bytes(hit)
+        if self._likely and self._likely[0][0] - end <= MERGE_GAP:
+            lo, hi = self._likely[0]  # the header, read first: fetch it with the likely data
+            self._likely[0] = (min(lo, start), max(hi, end))
+            self._cuts = sorted({*self._cuts, start, end})
+        return bytes(self._get(start, end))
 
     def tensor(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], expect_hash: str | None) -> torch.Tensor:
-        """The bytes [start, end) as a tensor (aliasing a fetched window); verified if a hash
-        is given."""
+        """The bytes [start, end) as a tensor (aliasing the fetched bytes: read it, do not
+        write to it); verified if a hash is given."""
         if is_empty(shape, start, end):
             return torch.empty(tuple(shape), dtype=dtype)
         data = self._get(start, end)
         check_chunk(data, expect_hash, f"{self.path} bytes {start}-{end}", self.ckpt)
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+        return _as_tensor(data, dtype, tuple(shape))
 
     def rows(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], r0: int, r1: int) -> torch.Tensor:
         """Rows [r0, r1) (along dim 0) of the chunk stored at [start, end) with ``shape``,
@@ -196,9 +209,8 @@ class RemoteFile:
         lo, hi = start + r0 * row, start + r1 * row
         data = self._cached(lo, hi)
         if data is None:
-            (buf,) = self._fetch([(lo, hi)])
-            data = memoryview(buf)
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape((r1 - r0, *shape[1:]))
+            data = memoryview(b"".join(self._fetch(split(lo, hi))))
+        return _as_tensor(data, dtype, (r1 - r0, *shape[1:]))
 
     def hash_range(self, start: int, end: int, window: int) -> str:
         """xxh3-64 of bytes [start, end). A range that fits the budget stays fetched, so the
@@ -207,14 +219,26 @@ class RemoteFile:
             return xxhash.xxh3_64_hexdigest(self._get(start, end))
         h = xxhash.xxh3_64()
         for lo in range(start, end, window):
-            (buf,) = self._fetch([(lo, min(lo + window, end))])
-            h.update(buf)
+            for data in self._fetch(split(lo, min(lo + window, end))):
+                h.update(data)
         return h.hexdigest()
 
     def close(self) -> None:
         self._windows.clear()
         self._kept = 0
         self._likely = []
+
+
+def _as_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data`` without a copy. Fetched bytes are immutable; the tensor is only
+    a source to copy from, so torch's warning about a read-only buffer is silenced here."""
+    if data.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(data, dtype=torch.uint8)
+    else:
+        t = torch.frombuffer(data, dtype=torch.uint8)
+    return t.view(dtype).reshape(shape)
 
 
 def stream_hash(store: Any, path: str, size: int, progress: Any = None, window: int = 128 << 20) -> str:

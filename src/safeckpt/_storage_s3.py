@@ -4,7 +4,7 @@ does differently from a generic object store.
 - **Parallel multipart uploads.** A rank's data file is uploaded in parts of ``PART`` bytes
   (more for very large files: S3 allows 10 000 parts), up to ``MAX_IN_FLIGHT`` of them at
   once, while the next part is filled (s3fs' own buffered file sends one part at a time).
-  A file smaller than one part is one PUT. Every request is bounded by the I/O timeout. On
+  A file smaller than two parts is one PUT, as ``pipe_file`` does. Every request is bounded by the I/O timeout. On
   any error the multipart upload is aborted, so no parts are left behind.
 - **Unfinished uploads.** A writer killed mid-upload leaves a multipart upload that is no
   object (``ls`` does not show it) but whose parts are stored and billed until aborted.
@@ -27,7 +27,8 @@ from ._shardfile import WrittenFile, stream_safetensors
 from ._storage import Upload
 from ._storage_fsspec import FsspecStorage
 
-PART = 32 << 20  # bytes per part (S3's minimum is 5 MiB, except for the last part)
+PART = 50 << 20  # bytes per part, as s3fs' pipe_file (S3's minimum is 5 MiB but for the last);
+# a file smaller than two parts is one PUT (as pipe_file does)
 MAX_PARTS = 9000  # below S3's limit of 10 000 parts per upload
 MAX_IN_FLIGHT = 8  # parts uploading at once per file (memory: this many parts per rank)
 ABORT_WAIT = 2.0  # seconds an abort after a failed upload may take (else the sweep does it)
@@ -47,7 +48,8 @@ class S3Storage(FsspecStorage):
 
     def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str]) -> WrittenFile:
         hint = sum(t.numel() * t.element_size() for _, t in items)
-        upload = MultipartWriter(self, path, part=max(PART, -(-hint // MAX_PARTS)))
+        part = hint + (1 << 20) if hint < 2 * PART else max(PART, -(-hint // MAX_PARTS))
+        upload = MultipartWriter(self, path, part=part)
         try:
             written = stream_safetensors(items, metadata, upload.write)
             upload.finish()
@@ -99,7 +101,7 @@ class MultipartWriter:
         self.url = url
         self.bucket, self.key, _ = store.fs.split_path(store._path(url))
         self.part = part
-        self.buf = bytearray(part)
+        self.views: list[memoryview] = []  # the part being filled: views of the caller's bytes
         self.fill = 0
         self.upload_id: str | None = None
         self.pending: list[tuple[int, concurrent.futures.Future]] = []
@@ -113,17 +115,23 @@ class MultipartWriter:
         return self._result(self.store._s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
 
     def write(self, data: memoryview) -> None:
+        """Take ``data`` (valid only during this call): full parts are copied out, once, into
+        the ``bytes`` body of their request (botocore sends ``bytes`` faster than a bytearray)."""
         view = memoryview(data).cast("B")
         while view:
             n = min(self.part - self.fill, len(view))
-            self.buf[self.fill : self.fill + n] = view[:n]
+            self.views.append(view[:n])
             self.fill += n
             view = view[n:]
             if self.fill == self.part:
-                self._send(self.buf)
-                self.buf, self.fill = bytearray(self.part), 0
+                self._send(self._take())
 
-    def _send(self, body: bytes | bytearray) -> None:
+    def _take(self) -> bytes:
+        body = b"".join(self.views)
+        self.views, self.fill = [], 0
+        return body
+
+    def _send(self, body: bytes) -> None:
         if self.upload_id is None:
             self.upload_id = self._call("create_multipart_upload")["UploadId"]
         while len(self.pending) >= MAX_IN_FLIGHT:
@@ -131,7 +139,7 @@ class MultipartWriter:
         number = len(self.done) + len(self.pending) + 1
         self.pending.append((number, self.upload_part(number, body)))
 
-    def upload_part(self, number: int, body: bytes | bytearray) -> concurrent.futures.Future:
+    def upload_part(self, number: int, body: bytes) -> concurrent.futures.Future:
         """Start uploading part ``number`` (a hook for tests that kill a writer mid-upload)."""
         return self.store._s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
                               PartNumber=number, Body=body)
@@ -142,8 +150,7 @@ class MultipartWriter:
 
     def finish(self) -> None:
         """Upload what is left and complete the upload: only now does the object exist."""
-        rest = bytes(memoryview(self.buf)[: self.fill])
-        self.buf, self.fill = bytearray(), 0
+        rest = self._take()
         if self.upload_id is None:  # smaller than one part: one PUT
             self._call("put_object", Body=rest)
             return
