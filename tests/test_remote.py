@@ -421,3 +421,38 @@ def test_file_urls_stay_local(tmp_path):
     safeckpt.save(f"file://{tmp_path}/ck", _state(1.0))
     assert sorted(os.listdir(tmp_path / "ck")) == [MANIFEST, "rank-00000.safetensors"]
     assert _model_value(str(tmp_path / "ck")) == 1.0
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the safeckpt modules it imports (at module level or inside functions)."""
+    import ast
+
+    pkg = Path(safeckpt.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for f in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[f.stem] = deps & {p.stem for p in pkg.glob("*.py")} - {"__init__"}
+    return graph
+
+
+def test_storage_layer_imports_nothing_above_it_and_the_package_has_no_import_cycle():
+    graph = _import_graph()
+    above = {"_save", "_load", "_catalog", "_lock", "_reader", "_commit", "manager", "cli", "_offline"}
+    for mod in ("_storage", "_storage_posix", "_storage_fsspec", "_storage_s3", "_rangedfile"):
+        assert not graph[mod] & above, (mod, graph[mod] & above)
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            assert state.get(d) != 1, f"import cycle: {' -> '.join(path + [d])}"
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])

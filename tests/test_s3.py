@@ -266,7 +266,7 @@ def _cli(capsys, ep: str, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_s3_killed_uploads_are_aborted_by_sweep_and_gc_and_cli(endpoint, tmp_path, capsys):
+def test_s3_killed_uploads_are_aborted_by_sweep_and_gc_and_cli(endpoint, tmp_path, capsys, monkeypatch):
     s3_harness.make_bucket(endpoint, "run-b")
     root = "s3://run-b/run"
     outs = dist_harness.run(_kill_mid_upload, 2, endpoint, root, timeout=120)
@@ -312,3 +312,29 @@ def test_s3_killed_uploads_are_aborted_by_sweep_and_gc_and_cli(endpoint, tmp_pat
     assert code == 2 and "no-such-bucket" in err and "does not exist" in err and err.count("\n") == 1, err
     code, out, err = _cli(capsys, endpoint, "--storage-option", "nonsense", "ls", root)
     assert code == 2 and "KEY=VALUE" in err and err.count("\n") == 1, err
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "plain.pt")  # an import into the bucket
+    code, out, err = _cli(capsys, endpoint, "convert", str(tmp_path / "plain.pt"), f"{root}-imported",
+                          "--from", "torch-save", "--allow-pickle")
+    assert code == 0, err
+    assert torch.equal(safeckpt.read_state_dict(f"{root}-imported", storage_options=s3_harness.options(endpoint))[
+        "model/w"], torch.arange(4.0))
+
+    # No credentials anywhere: a StorageError (a CheckpointError) saying where to put them,
+    # from the library and as one line from the CLI; never botocore's own exception.
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    bare = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    mgr = safeckpt.CheckpointManager(root, preemption_signals=(), storage_options=bare)
+    with pytest.raises(safeckpt.CheckpointError, match="no credentials") as exc_info:
+        mgr.list()
+    assert "storage_options" in str(exc_info.value) and "AWS_ACCESS_KEY_ID" in str(exc_info.value)
+    with pytest.raises(safeckpt.CheckpointError, match="no credentials"):
+        safeckpt.read_state_dict(f"{root}/step-0000000002", storage_options=bare)
+    report = safeckpt.verify(f"{root}/step-0000000002", storage_options=bare)
+    assert not report.ok and "no credentials" in report.problems[0]
+    code = cli.main(["--storage-option", f"endpoint_url={endpoint}", "ls", root])
+    out, err = capsys.readouterr()
+    assert code == 74 and "no credentials" in err and err.count("\n") == 1, err
