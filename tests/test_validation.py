@@ -299,3 +299,21 @@ def test_ddp_batchnorm_buffers_come_from_rank0(tmp_path):
         assert o.value["differs"] is True  # the scenario is real
         assert o.value["saved_is_rank0s"] is True
         assert o.value["own"] == [False, "RankMismatch", True]
+
+
+def test_large_edited_manifest_is_refused_before_parsing(ckpt):
+    """An edited manifest too large to compare by content is refused from its bytes, without
+    building its JSON in memory (a 24 MiB manifest of small records is ~10x that as objects)."""
+    import tracemalloc
+
+    man = _manifest(ckpt)
+    man["metadata"]["junk"] = [{"a": i} for i in range(2_000_000)]  # ~24 MiB of JSON
+    (ckpt / "manifest.json").write_text(json.dumps(man))
+    tracemalloc.start()
+    try:
+        with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum"):
+            safeckpt.read_state_dict(ckpt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 80 << 20, peak  # the raw bytes (and a copy), never the parsed objects
