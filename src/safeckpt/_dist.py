@@ -81,6 +81,7 @@ class _GroupState:
         self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
         self.token = ""
+        self.arrived: set[int] | None = None  # ranks seen at the setup rendezvous, while waiting
 
     def make_token(self) -> str:
         """Names this group in this job, the same on every rank (for survivor notes), or ''
@@ -246,27 +247,30 @@ class Coordinator:
     def _await_peers(self, state: _GroupState, store: Any, keys: list[str], started: float) -> None:
         """Wait (at most the timeout) until every rank published its record.
 
-        With the processes known from an earlier group, a helper thread polls the store on its
-        own connection while this thread watches them: one that exits fails the setup at once
-        (the async group after a rank died in the snapshot, for instance).
+        A helper thread polls the store (bounded even if the store's host freezes) while this
+        thread watches the processes known from an earlier group: one
+        that exits fails the setup at once (the async group after a rank died in the snapshot,
+        for instance). Now and then the helper notes which ranks have arrived, so a failure
+        can name the absent ones even if the store is gone by then.
         """
-        if not any(p for r, p in enumerate(state.peers) if r != self.rank):
-            store.wait(keys, timedelta(seconds=self.timeout))
-            return
         box: dict[str, Any] = {}
         stop = threading.Event()
+        every = max(1.0, self.timeout / 10)
 
         def poll() -> None:  # check() returns at once and, unlike a timed-out wait, logs nothing
             try:
-                try:
-                    own = store.clone()
-                except Exception:  # a store without clone: share it (nothing else uses it now)
-                    own = store
-                pause = 0.01
+                # The shared client, not a clone: connecting a clone to a dead host retries for
+                # the store's own timeout. Nothing else uses the store until this returns.
+                own = store
+                pause, noted = 0.01, time.monotonic()
                 while not stop.is_set():
                     if own.check(keys):
                         box["ok"] = True
                         return
+                    if time.monotonic() - noted > every:
+                        seen = state.arrived or {self.rank}
+                        state.arrived = seen | {r for r, k in enumerate(keys) if r not in seen and own.check([k])}
+                        noted = time.monotonic()
                     stop.wait(pause)
                     pause = min(pause * 1.5, 0.2)
             except Exception as exc:  # noqa: BLE001 - re-raised below
@@ -405,10 +409,16 @@ class Coordinator:
             seen = f"{raw} (after {elapsed:.1f}s)"
         # Tell the others that this rank saw the failure (it is a survivor): in the store, and
         # on this host for when the store went with rank 0.
-        self._mark(f"{state.key}/failed/{self.rank}", state.seq)
+        self._mark(f"{state.key}/failed/{self.rank}", state.seq, bounded=True)
         if state.token:
             mark_survivor(state.token, self.rank, {"seq": state.seq, "done": done})
         gone, missing, alive, store_error = self._diagnose(state, closed)
+        if store_error and state.seq == 0 and state.arrived is not None and elapsed >= 0.9 * self.timeout:
+            # The store went away after this rank had waited (nearly) the whole timeout: the
+            # ranks it had not seen arrive by then are the ones that never came.
+            missing = [r for r in range(self.world_size) if r not in state.arrived]
+            seen = (f"{seen}; the job's store then became unreachable ({store_error}), most likely "
+                    "because rank 0 gave up on the same wait and exited")
         tail = hint or (SETUP_HINT if phase == "setup" else DEFAULT_HINT)
         n = self.world_size
         if gone:
@@ -532,19 +542,23 @@ class Coordinator:
             status = {r: is_gone(state.peers[r]) for r in others}
             gone = [r for r in others if status[r] and r not in survivors
                     and not (state.token and survivor_note(state.token, r))]
-            if gone or time.monotonic() >= deadline:
-                break
+            if gone or time.monotonic() >= deadline or not any(v is False for v in status.values()):
+                break  # found, out of time, or no peer whose exit could still show
             time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited
         alive = [r for r in others if status[r] is False]
         return gone, missing, alive, store_error
 
-    def _mark(self, key: str, seq: int) -> None:
+    def _mark(self, key: str, seq: int, bounded: bool = False) -> None:
         """Record in the job's store that this rank reached collective ``seq`` (or saw it fail).
 
         One key per rank, overwritten each time, so calling this every step stores nothing new.
+        ``bounded`` (after a failure, when the store may hang): give up after a short while.
         """
         try:
-            _store().set(key, str(seq))
+            if bounded:
+                _ask_store(lambda store: store.set(key, str(seq)), _store_budget(self.timeout))
+            else:
+                _store().set(key, str(seq))
         except Exception:
             pass
 

@@ -358,6 +358,7 @@ def summarize(results: list[dict[str, Any]], *, seed: int, timeout: float, slack
         "restart_failed": sum(bool(r.get("restart_failed")) for r in results),
         "no_kill": sum(not r["killed"] for r in results),
         "max_tte": max(ttes, default=0.0),
+        "late": sum(t > timeout + 2.0 for t in ttes),
         "bad_trials": [r["spec"]["trial"] for r in results if r["problems"]],
         "by_point": {k: {"trials": v["trials"], "bad": v["bad"], "max_tte": max(v["tte"], default=0.0)}
                      for k, v in sorted(by_point.items())},
@@ -388,6 +389,7 @@ def table_markdown(s: dict[str, Any], command: str) -> str:
         ("restarts not restoring the newest valid checkpoint bit-exactly", s["restart_failed"]),
         ("unexpected hidden entries in the root", s["odd_hidden"]),
         (f"max time from kill to a survivor's error (timeout {s['timeout']:g} s)", f"{s['max_tte']:.1f} s"),
+        ("survivor errors later than timeout + 2 s after the kill", s["late"]),
     ]
     out = [
         f"Kill matrix: `{command}` ({s['seconds'] / 60:.0f} min on this machine)",
