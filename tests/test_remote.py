@@ -456,3 +456,35 @@ def test_storage_layer_imports_nothing_above_it_and_the_package_has_no_import_cy
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_sweep_and_listing_are_best_effort_when_the_store_refuses(tmp_path, monkeypatch):
+    """A leftover the store refuses to delete, or uploads the credentials may not list, never
+    fail a save or a listing: a warning says what is left behind."""
+    from safeckpt._storage import StorageError
+
+    run = _url(tmp_path / "run")
+    with safeckpt.CheckpointManager(run, keep_last=None, preemption_signals=()) as mgr:
+        mgr.save(1, _state(1.0))
+    stray = tmp_path / "run" / "step-0000000002" / "rank-00000.0123456789ab.safetensors"
+    stray.parent.mkdir()
+    stray.write_bytes(b"x" * 10)
+    real_delete = FsspecStorage.delete
+
+    def refusing(self, path):
+        if path.endswith(stray.name):
+            raise StorageError("deleting: access denied (simulated)")
+        real_delete(self, path)
+
+    def no_uploads(self, prefix):
+        raise StorageError("listing unfinished uploads: access denied (simulated)")
+
+    monkeypatch.setattr(FsspecStorage, "delete", refusing)
+    monkeypatch.setattr(FsspecStorage, "uploads", no_uploads)
+    with pytest.warns(safeckpt.SafeckptWarning) as caught, \
+            safeckpt.CheckpointManager(run, keep_last=None, preemption_signals=()) as mgr:
+        mgr.save(3, _state(3.0))
+        assert [i.step for i in mgr.list()] == [1, 3]
+    text = " ".join(str(w.message) for w in caught)
+    assert "could not remove the leftover" in text and "cannot list unfinished uploads" in text
+    assert stray.exists()

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os  # noqa: F401 - tests reach os.listdir through this module
 import re
+import warnings
 from dataclasses import dataclass
 
 from ._commit import TOKEN_FILE, named_files
 from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
-from ._storage import Storage, Upload, storage_for
-from .errors import CheckpointError, CheckpointNotFound
+from ._storage import Storage, StorageError, Upload, storage_for
+from .errors import CheckpointError, CheckpointNotFound, SafeckptWarning
 
 STEP_PREFIX = "step-"
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
@@ -133,9 +134,16 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
 
 def _with_uploads(store: Storage, root: str, entries: list[Entry]) -> list[Entry]:
     """Unfinished uploads of data objects directly below the root, merged into the staging
-    entry of their directory (or one of their own)."""
+    entry of their directory (or one of their own). Credentials that may list objects but not
+    uploads only lose this part of the answer (with a warning)."""
     found: dict[str, list[Upload]] = {}
-    for u in store.uploads(root):
+    try:
+        listed = store.uploads(root)
+    except StorageError as exc:
+        _warn_once(f"cannot list unfinished uploads under {root} ({exc}); leftovers of killed "
+                   "uploads there are not shown or removed")
+        return entries
+    for u in listed:
         rel = u.path[len(root) + 1 :] if u.path.startswith(root + "/") else ""
         parts = rel.split("/")
         if len(parts) == 2 and TOKEN_FILE.match(parts[1]):
@@ -165,6 +173,28 @@ def leftovers(root: str, store: Storage | None = None) -> list[Entry]:
             kind = "staging" if m.group(2) == STAGING_MARK else "trash"
             out.append(Entry(item.name, store.join(root, item.name), kind, parse_step(m.group(1))))
     return sorted(out, key=lambda e: e.name)
+
+
+def sweep(root: str, store: Storage | None = None) -> None:
+    """Remove every leftover under ``root`` (the manager, before each save). Best effort: one
+    the store refuses to remove now stays for the next sweep or ``safeckpt gc``, with a
+    warning, and never fails the save."""
+    store = store or storage_for(root)
+    for e in leftovers(root, store):
+        try:
+            remove_entry(e, store)
+        except StorageError as exc:
+            warnings.warn(f"could not remove the leftover {e.path} ({exc}); the next save's sweep "
+                          "or `safeckpt gc` retries", SafeckptWarning, stacklevel=3)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warnings.warn(text, SafeckptWarning, stacklevel=4)
 
 
 def committed(root: str, store: Storage | None = None) -> list[Entry]:

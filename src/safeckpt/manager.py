@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 from ._async import AsyncSaver
-from ._catalog import committed, leftovers, remove_entry, scan, step_dirname
+from ._catalog import committed, remove_entry, scan, step_dirname, sweep
 from ._dist import Coordinator, resolve_timeout
 from ._load import load
 from ._lock import DEFAULT_LEASE, writer_lease
@@ -197,8 +197,7 @@ class CheckpointManager:
         if not is_coordinator:
             return
         self._lock.acquire()
-        for e in leftovers(self.root, self._store):
-            remove_entry(e, self._store)
+        sweep(self.root, self._store)
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
         info = job.finish()
