@@ -113,7 +113,8 @@ def g_dir(rng: random.Random, v: BaseView, kind: str) -> tuple[str, tuple[Any, .
         return f"{what} removed", (("remove", what),)
     if kind == "manifest_special":
         what = rng.choice(["dir", "fifo", "fifo", "symlink-outside-same", "symlink-inside",
-                           "hardlink-outside-same", "zero-device", "socket", "symlink-older"])
+                           "hardlink-outside-same", "zero-device", "socket", "symlink-older",
+                           "hardlink-older", "copy-older"])
         ops: dict[str, tuple[Any, ...]] = {
             "dir": (("mkdir", MANIFEST),),
             "fifo": (("fifo", MANIFEST),),
@@ -123,6 +124,9 @@ def g_dir(rng: random.Random, v: BaseView, kind: str) -> tuple[str, tuple[Any, .
             "zero-device": (("chardev", MANIFEST, 1, 5),),
             "socket": (("socket", MANIFEST),),
             "symlink-older": (("symlink", MANIFEST, f"../step-0000000001/{MANIFEST}"),),
+            # A valid, signed manifest, but of other data files (same names, other bytes).
+            "hardlink-older": (("hardlink", MANIFEST, f"@root/{STEP_A}/{MANIFEST}"),),
+            "copy-older": (("copy", f"@root/{STEP_A}/{MANIFEST}", MANIFEST),),
         }
         return f"{MANIFEST} replaced by {what}", ops[what]
     if kind == "checkpoint_dir":

@@ -71,8 +71,21 @@ class BaseView:
         older = {n: _read(os.path.join(root, STEP_A, n)) for n in os.listdir(os.path.join(root, STEP_A))
                  if n != MANIFEST}
         view = cls(name, root, raw, man, files, older)
-        view.forge_ok = forge(man) is not None and json.loads(forge(man) or b"{}") == man
+        view.forge_ok = _accepted(forge(man), ckpt)
         return view
+
+
+def _accepted(forged: bytes | None, ckpt: str) -> bool:
+    """Whether safeckpt accepts our re-signed copy of an unedited manifest (else forging broke)."""
+    if forged is None:
+        return False
+    try:
+        from safeckpt._manifest import parse_manifest
+
+        parse_manifest(forged, ckpt)
+        return True
+    except Exception:  # noqa: BLE001 - any refusal means forged edits would test nothing
+        return False
 
 
 def _read(path: str) -> bytes:

@@ -164,6 +164,7 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
     watched = ckpt if name not in ("restore", "list", "cli") else root
     _WATCH = (os.path.abspath(watched), os.path.realpath(watched))
     t0 = time.monotonic()
+    rss0 = _maxrss_mb()
     try:
         if name.startswith("verify"):
             report = safeckpt.verify(ckpt, deep=name == "verify_deep")
@@ -195,6 +196,7 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
     finally:
         _WATCH = None
         out["secs"] = round(time.monotonic() - t0, 3)
+        out["rss_mb"] = round(_maxrss_mb() - rss0)  # growth of the peak during this call
     return out
 
 
@@ -312,7 +314,8 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
     if outside:
         add("OUTSIDE_READ", "; ".join(f"{k}: {', '.join(v)}" for k, v in outside.items()))
     if rss > MEMORY_MB:
-        add("MEMORY", f"peak RSS grew by {rss:.0f} MB")
+        where = ", ".join(f"{n} +{c['rss_mb']} MB in {c['secs']:.1f}s" for n, c in calls.items() if c.get("rss_mb", 0) > 20)
+        add("MEMORY", f"peak RSS grew by {rss:.0f} MB ({where})")
     loaded = calls["read"]["ok"] or calls["load"]["ok"]
     if bad:
         outcome = "BAD"

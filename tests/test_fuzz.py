@@ -26,10 +26,7 @@ SAMPLE_CALLS = tuple(c for c in CALLS if c != "cli")  # the CLI runs in the full
 
 # Bad outcomes that the current src/ still produces in this sample (strict: when one is fixed
 # the test fails as XPASS, and its entry here must go).
-KNOWN: dict[str, str] = {
-    "MEMORY": "a manifest under the 64 MiB size cap can still cost far more to parse: 19 MiB "
-              "holding a long JSON array grows RSS by ~230 MB (a 60 MiB one by ~700 MB)",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

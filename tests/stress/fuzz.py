@@ -60,6 +60,8 @@ def run_fuzz(bases: dict[str, str], *, seed: int, count: int, huge: int = 300 <<
              batch: int = 250, calls: tuple[str, ...] = CALLS) -> list[dict[str, Any]]:
     """Generate and run mutants; one result dict per mutant (see fuzz_oracle.classify)."""
     views = {name: BaseView.load(name, root) for name, root in bases.items()}
+    if progress and not all(v.forge_ok for v in views.values()):
+        progress("WARNING: safeckpt refuses a re-signed unedited manifest: forged.* classes skipped")
     wanted = set(only) if only else None
     last = (max(wanted) + 1) if wanted else count
     results = []
