@@ -69,7 +69,11 @@ class S3Storage(FsspecStorage):
                                 Bucket=bucket, Prefix=key, **marker)
             for u in page.get("Uploads", []):
                 url = f"{self.scheme}://{bucket}/{u['Key']}"
-                out.append(Upload(url, u["UploadId"], self._parts_size(url, bucket, u["Key"], u["UploadId"])))
+                try:
+                    nbytes = self._parts_size(url, bucket, u["Key"], u["UploadId"])
+                except FileNotFoundError:
+                    continue  # completed or aborted since the listing
+                out.append(Upload(url, u["UploadId"], nbytes))
             if not page.get("IsTruncated"):
                 return out
             marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
