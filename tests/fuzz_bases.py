@@ -12,7 +12,7 @@ fall back to A (whose values differ from B, so a wrong fallback is visible).
 The state covers what users checkpoint: a module with several layers and buffers (an int64
 0-d counter), AdamW after a step, an LR scheduler, ``RNGState``, a plain tensor, and a tree of
 lists/tuples/int-keyed dicts, strings, floats (inf, -inf, nan, -0.0), a 0-d tensor, an empty
-tensor, bf16/f16/int/bool tensors.
+tensor, bf16/f16/int/bool tensors and one tensor referenced twice (tied: stored once).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 import safeckpt
 
 MANIFEST = "manifest.json"
+BASES_VERSION = 2  # bump when build_state changes: stored bases of another layout are rebuilt
 STEP_A = "step-0000000001"
 STEP_B = "step-0000000002"
 
@@ -45,6 +46,7 @@ def build_state(seed: int, *, steps: int = 1, rank: int = 0, ddp: bool = False) 
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * seed)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    shared = torch.randn(3, 2)
     state: dict[str, Any] = {
         "model": model,
         "optim": opt,
@@ -65,6 +67,7 @@ def build_state(seed: int, *, steps: int = 1, rank: int = 0, ddp: bool = False) 
             "s": f"run-{seed}/path with spaces",
             "nested": {"deep": {"x": [{"y": seed}, []], "empty": {}}},
             "step": seed * 100,
+            "tied": [shared, shared],  # stored once: the second is an alias (alias_of)
         },
     }
     # Per-rank RNG streams (the RNG state is per-rank state); plain tensors above stay replicated.

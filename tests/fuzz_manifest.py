@@ -175,8 +175,11 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
     man = copy.deepcopy(v.manifest)
     key = rng.choice(list(man["tensors"]))
     rec = man["tensors"][key]
-    kind = rng.choice(["dtype", "dtype", "shape", "shape", "scope", "drop", "rename", "extra-dim", "add"])
+    kind = rng.choice(["dtype", "dtype", "shape", "shape", "scope", "drop", "rename", "extra-dim", "add",
+                       "alias", "alias"])
     where = f"tensors[{key!r}]"
+    if kind == "alias":
+        return _alias(rng, man, key, where)
     if kind == "dtype":
         size = _ELSIZE.get(rec["dtype"])
         same = [c for c, s in _ELSIZE.items() if s == size and c != rec["dtype"]]
@@ -221,6 +224,29 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
         return f"{where}: extra trailing dim of size 1 in shape and chunks (consistent)", man, False
     man["tensors"]["unused"] = copy.deepcopy(rec)
     return f"add an unreferenced copy of {where} as 'unused'", man, True
+
+
+def _alias(rng: random.Random, man: dict[str, Any], key: str, where: str) -> tuple[str, Any, bool | None]:
+    """Tied-weight records (``alias_of``): consistent, of another layout, self, missing, cycles."""
+    tensors = man["tensors"]
+    rec = tensors[key]
+    plain = [k for k, r in tensors.items() if k != key and "alias_of" not in r]
+    same = [k for k in plain if _same_layout(man, key, k)]
+    other_layout = [k for k in plain if k not in same]
+    how = rng.choice(["same-layout", "other-layout", "self", "missing", "cycle", "keep-chunks",
+                      "to-alias"])
+    target = {"same-layout": rng.choice(same) if same else None, "keep-chunks": rng.choice(same) if same else None,
+              "other-layout": rng.choice(other_layout) if other_layout else None, "self": key,
+              "missing": "no/such", "cycle": rng.choice(plain) if plain else None,
+              "to-alias": next((k for k, r in tensors.items() if "alias_of" in r and k != key), None)}[how]
+    if target is None:
+        how, target = "missing", "no/such"
+    chunks = rec.get("chunks", []) if how == "keep-chunks" else []
+    tensors[key] = {**{f: rec.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": target, "chunks": chunks}
+    if how == "cycle":
+        t = tensors[target]
+        tensors[target] = {**{f: t.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": key, "chunks": []}
+    return f"{where} made an alias ({how}) of {target!r}", man, False if how == "same-layout" else True
 
 
 def g_chunks(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | None:

@@ -28,16 +28,16 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.fuzz_bases import STEP_A, STEP_B, write_ddp, write_single
+from tests.fuzz_bases import BASES_VERSION, STEP_A, STEP_B, write_ddp, write_single
 from tests.fuzz_mutants import BaseView, generate
 from tests.fuzz_oracle import BAD, CALLS, CANARY, GOOD, Pool
 
 
 def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
     """Base roots under ``workdir`` (reused when already there): name -> root."""
-    bases = {"single": os.path.join(workdir, "single")}
+    bases = {"single": os.path.join(workdir, f"single-v{BASES_VERSION}")}
     if ddp:
-        bases["ddp"] = os.path.join(workdir, "ddp")
+        bases["ddp"] = os.path.join(workdir, f"ddp-v{BASES_VERSION}")
     for name, root in bases.items():
         if _still_valid(root):
             continue
