@@ -560,9 +560,9 @@ def device_fingerprint(t: torch.Tensor, block: int = 1 << 24) -> int:
 
 def _layout_differences(layouts: list[Any]) -> list[str]:
     out = []
-    ref_objs, ref_tensors = layouts[0]
+    ref_objs, ref_tensors = layouts[0][:2]
     ref_map = {t[0]: t[1:] for t in ref_tensors}
-    for r, (objs, tensors) in enumerate(layouts[1:], start=1):
+    for r, (objs, tensors, *_) in enumerate(layouts[1:], start=1):
         if objs != ref_objs:
             out.append(f"rank {r} has state entries {objs} but rank 0 has {ref_objs}")
             continue
