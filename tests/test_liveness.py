@@ -47,9 +47,17 @@ def test_pid_reuse_and_other_hosts_are_never_guessed():
 
 
 def test_survivor_notes():
-    token = f"test-{os.getpid()}-{time.monotonic_ns()}"
-    assert _liveness.survivor_note(token, 3) is None
-    _liveness.mark_survivor(token, 3, {"seq": 7, "done": True})
-    assert _liveness.survivor_note(token, 3) == {"seq": 7, "done": True}
-    assert _liveness.survivor_note(token, 2) is None
-    os.unlink(os.path.join(_liveness._marker_dir(), f"{token}-3"))
+    group = f"test-group-{time.monotonic_ns()}"
+    me = _liveness.self_record()
+    proc, other = _spawn()
+    try:
+        assert _liveness.survivor_note(me, group) is None
+        _liveness.mark_survivor(group, {"seq": 7, "done": True})
+        assert _liveness.survivor_note(me, group) == {"seq": 7, "done": True}
+        assert _liveness.survivor_note(other, group) is None  # another process left none
+        assert _liveness.survivor_note({**me, "start": me["start"] + 1}, group) is None  # pid reused
+        assert _liveness.survivor_note(None, group) is None
+    finally:
+        proc.kill()
+        proc.wait()
+        os.unlink(_liveness._note_path(me, group))

@@ -80,14 +80,12 @@ class _GroupState:
         self.peers: list[dict[str, Any] | None] = [None] * world_size
         self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
-        self.token = ""
         self.arrived: set[int] | None = None  # ranks seen at the setup rendezvous, while waiting
 
-    def make_token(self) -> str:
-        """Names this group in this job, the same on every rank (for survivor notes), or ''
-        while rank 0's record is unknown."""
-        first = self.peers[0]
-        return f"{first['nonce']}-{self.key.rsplit('-', 1)[-1]}" if first and first.get("nonce") else ""
+    @property
+    def name(self) -> str:
+        """This group's name, the same on every rank (``group-N``)."""
+        return self.key.rsplit("/", 1)[-1]
 
 
 _GROUPS: dict[tuple[int, float, str], tuple[weakref.ref, _GroupState]] = {}
@@ -228,7 +226,6 @@ class Coordinator:
         # The processes of an earlier group of this job, if any: a peer that died since is
         # seen at once instead of after the timeout, and named even if the store is gone.
         state.peers = _known_peers(default_pg, self.world_size)
-        state.token = state.make_token()
         # Cached at once: a failed creation poisons this group, so later calls fail fast.
         _GROUPS[(id(default_pg), self.timeout, purpose)] = (weakref.ref(default_pg), state)
         started = time.monotonic()
@@ -237,8 +234,8 @@ class Coordinator:
             store = _store()
             store.set(keys[self.rank], json.dumps(self_record()))
             self._await_peers(state, store, keys, started)
-            state.peers = [json.loads(store.get(k)) for k in keys]
-            state.token = state.token or state.make_token()
+            for r, k in enumerate(keys):  # one by one: those read stay known if the store dies
+                state.peers[r] = json.loads(store.get(k))
             state.group = _new_gloo_group(self.timeout)
         except Exception as exc:  # a peer absent, dead, or the store gone
             raise self._lost_peers(state, "setup", SETUP_HINT, exc, started) from exc
@@ -248,10 +245,10 @@ class Coordinator:
         """Wait (at most the timeout) until every rank published its record.
 
         A helper thread polls the store (bounded even if the store's host freezes) while this
-        thread watches the processes known from an earlier group: one
-        that exits fails the setup at once (the async group after a rank died in the snapshot,
-        for instance). Now and then the helper notes which ranks have arrived, so a failure
-        can name the absent ones even if the store is gone by then.
+        thread watches the processes known from an earlier group: one that exits fails the
+        setup at once (the async group after a rank died in the snapshot, for instance). Now
+        and then the helper notes which ranks have arrived, so a failure can name the absent
+        ones even if the store is gone by then.
         """
         box: dict[str, Any] = {}
         stop = threading.Event()
@@ -259,11 +256,15 @@ class Coordinator:
 
         def poll() -> None:  # check() returns at once and, unlike a timed-out wait, logs nothing
             try:
-                # The shared client, not a clone: connecting a clone to a dead host retries for
-                # the store's own timeout. Nothing else uses the store until this returns.
+                # The shared (thread-safe) client, not a clone: connecting a clone to a dead
+                # host retries for the store's own timeout.
                 own = store
                 pause, noted = 0.01, time.monotonic()
                 while not stop.is_set():
+                    if state.peers[0] is None and own.check(keys[:1]):
+                        # rank 0 first: it usually hosts the store, so once it is gone its
+                        # record could not be read any more
+                        state.peers[0] = json.loads(own.get(keys[0]))
                     if own.check(keys):
                         box["ok"] = True
                         return
@@ -410,8 +411,7 @@ class Coordinator:
         # Tell the others that this rank saw the failure (it is a survivor): in the store, and
         # on this host for when the store went with rank 0.
         self._mark(f"{state.key}/failed/{self.rank}", state.seq, bounded=True)
-        if state.token:
-            mark_survivor(state.token, self.rank, {"seq": state.seq, "done": done})
+        mark_survivor(state.name, {"seq": state.seq, "done": done})
         gone, missing, alive, store_error = self._diagnose(state, closed)
         if store_error and state.seq == 0 and state.arrived is not None and elapsed >= 0.9 * self.timeout:
             # The store went away after this rank had waited (nearly) the whole timeout: the
@@ -488,7 +488,7 @@ class Coordinator:
                             return hint  # it saw the failure, and had not completed its part
                     except Exception:  # the store went with rank 0: its note here may tell
                         store = None
-                note = survivor_note(state.token, 0) if state.token else None
+                note = survivor_note(state.peers[0], state.name)
                 if note is not None and note.get("seq") == state.seq:
                     return done_hint if note.get("done") else hint
                 if is_gone(state.peers[0]) or time.monotonic() > deadline:
@@ -541,7 +541,7 @@ class Coordinator:
         while True:
             status = {r: is_gone(state.peers[r]) for r in others}
             gone = [r for r in others if status[r] and r not in survivors
-                    and not (state.token and survivor_note(state.token, r))]
+                    and not survivor_note(state.peers[r], state.name)]
             if gone or time.monotonic() >= deadline or not any(v is False for v in status.values()):
                 break  # found, out of time, or no peer whose exit could still show
             time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited

@@ -20,7 +20,6 @@ import os
 import socket
 import tempfile
 import time
-import uuid
 from typing import Any
 
 
@@ -49,8 +48,7 @@ def self_record() -> dict[str, Any]:
         start: int | None = _proc_stat(pid)[1]  # type: ignore[index]
     except (OSError, ValueError, IndexError):
         start = None
-    return {"pid": pid, "host": socket.gethostname(), "ns": _namespace(), "start": start,
-            "nonce": uuid.uuid4().hex[:16]}
+    return {"pid": pid, "host": socket.gethostname(), "ns": _namespace(), "start": start}
 
 
 def is_gone(record: dict[str, Any] | None) -> bool | None:
@@ -91,34 +89,41 @@ def _marker_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"safeckpt-survivors-{os.getuid()}")
 
 
-def mark_survivor(token: str, rank: int, note: dict[str, Any]) -> None:
-    """Leave a note on this host that ``rank`` saw the failure of group ``token`` itself.
+def _note_path(record: dict[str, Any], group: str) -> str:
+    # pid + start time name one process on this host (pids are reused, start times differ)
+    return os.path.join(_marker_dir(), f"{record.get('pid')}-{record.get('start')}-{group}")
+
+
+def mark_survivor(group: str, note: dict[str, Any]) -> None:
+    """Leave a note on this host that this process saw the failure of ``group`` itself.
 
     A survivor may raise and exit before a slower peer looks, and then its process is gone
-    too (with the store, if it was rank 0); the note, read where the pid check works (on this
-    host), keeps it from being blamed and tells what it had done. Notes older than a day are
-    removed.
+    too (with the store, if it was rank 0); the note, found from the process's record where
+    the pid check works (on this host), keeps it from being blamed and tells what it had
+    done. Notes older than a day are removed.
     """
     try:
         folder = _marker_dir()
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{token}-{rank}")
+        path = _note_path(self_record(), group)
         with open(f"{path}.tmp", "w") as f:
             json.dump(note, f)
         os.replace(f"{path}.tmp", path)
         cutoff = time.time() - 86400
         for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if os.path.getmtime(path) < cutoff:
-                os.unlink(path)
+            old = os.path.join(folder, name)
+            if os.path.getmtime(old) < cutoff:
+                os.unlink(old)
     except OSError:
         pass
 
 
-def survivor_note(token: str, rank: int) -> dict[str, Any] | None:
-    """The note ``rank`` left on this host for group ``token``, or None."""
+def survivor_note(record: dict[str, Any] | None, group: str) -> dict[str, Any] | None:
+    """The note the process of ``record`` left on this host for ``group``, or None."""
+    if not record:
+        return None
     try:
-        with open(os.path.join(_marker_dir(), f"{token}-{rank}")) as f:
+        with open(_note_path(record, group)) as f:
             note = json.load(f)
         return note if isinstance(note, dict) else None
     except (OSError, ValueError):
