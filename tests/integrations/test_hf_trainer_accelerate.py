@@ -95,6 +95,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     logs["first"] = _launch("first", base)
     logs["crash"] = _launch("crash", base)
     resumed = os.path.join(base, "resumed")
+    if not os.path.isdir(resumed):  # a launch failed before its first save: show why
+        pytest.fail("no checkpoint root after the first launches:\n" + "\n".join(
+            f"--- {p} (rc {rc}) ---\n{out[-4000:]}" for p, (rc, out) in logs.items()))
     after_crash = {
         "listing": sorted(os.listdir(resumed)),
         "committed": [i.step for i in safeckpt.CheckpointManager(resumed, preemption_signals=()).list()],
