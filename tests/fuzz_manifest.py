@@ -44,6 +44,8 @@ def _invalid_leaf(path: Path) -> bool | None:
                             "safeckpt_version", "torch_version"):
         return False
     names = {p for p in path if isinstance(p, str)}
+    if "@tensor" in names and path[0] != "objects":
+        names.discard("@tensor")  # an extra key named like a tag outside any tree
     return True if names & _INVARIANT_FIELDS else None
 
 
@@ -56,6 +58,8 @@ def g_value(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | N
         return None
     old = get(man, path)
     label, new = rng.choice(value_edits(old))
+    if canon(new) == canon(old):
+        return None
     put(man, path, new)
     return f"{fmt_path(path)}: {old!r:.60} -> {label} {new!r:.60}", man, _invalid_leaf(path)
 
@@ -97,7 +101,12 @@ def g_object(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
     name = rng.choice(list(objects))
     obj = objects[name]
     keys = list(man["tensors"])
-    kind = rng.choice(["kind", "drop", "add", "tree-type", "node", "node", "node", "node", "rank_trees"])
+    kind = rng.choice(["kind", "drop", "add", "tree-type", "node", "node", "node", "node", "rank_trees",
+                       "drop-field"])
+    if kind == "drop-field":
+        fld = rng.choice([f for f in obj if f != "tree"] + ["tree", "tree"])
+        del obj[fld]
+        return f"objects[{name!r}]: delete its {fld!r}", man, True if fld in ("tree", "kind") else None
     if kind == "kind":
         new = rng.choice(["module", "stateful", "tensor", "tree", "bogus", 5, None])
         obj["kind"] = new
@@ -199,6 +208,8 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
         if len(shape) >= 2 and shape[0] != shape[1]:
             options.append(("transpose, chunks too", [shape[1], shape[0], *shape[2:]], False))
         label, new, *inv = rng.choice(options)
+        if new == shape:
+            return None  # e.g. dropping a dim of a 0-d tensor: no edit
         rec["shape"] = new
         if label.startswith("transpose"):
             for c in rec["chunks"]:
@@ -265,7 +276,8 @@ def g_chunks(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
         return f"{where}: remove chunk {i}", man, True
     if kind == "duplicate":
         chunks.append(copy.deepcopy(chunks[i]))
-        return f"{where}: duplicate chunk {i} (overlapping boxes)", man, True
+        empty = 0 in rec["shape"]  # boxes of no element overlap in nothing
+        return f"{where}: duplicate chunk {i} (overlapping boxes)", man, None if empty else True
     if kind == "reorder" and len(chunks) > 1:
         chunks.reverse()
         return f"{where}: reverse chunk order", man, False

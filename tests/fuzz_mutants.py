@@ -17,6 +17,7 @@ Two families of manifest edits:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -26,7 +27,7 @@ from typing import Any
 
 from tests.fuzz_bases import MANIFEST, STEP_A, STEP_B
 from tests.fuzz_files import DATA_KINDS, DIR_KINDS, g_data, g_dir
-from tests.fuzz_json import dumps, forge
+from tests.fuzz_json import canon, dumps, forge
 from tests.fuzz_manifest import (
     MANIFEST_GENS,
     changed_from,
@@ -97,7 +98,7 @@ CLASS_WEIGHTS: dict[str, float] = {
     **{f"manifest.{k}": w for k, (w, _) in MANIFEST_GENS.items()},
     **{f"forged.{k}": w * 0.8 for k, (w, _) in MANIFEST_GENS.items()},
     "manifest.dup_key": 2, "manifest.syntax": 3, "manifest.nesting": 2, "manifest.huge": 0.4,
-    "manifest.benign": 1.5,
+    "manifest.benign": 1.5, "forged.multi": 6,
     **{f"data.{k}": w for k, w in DATA_KINDS.items()},
     **{f"dir.{k}": w for k, w in DIR_KINDS.items()},
 }
@@ -106,6 +107,8 @@ CLASS_WEIGHTS: dict[str, float] = {
 def make(rng: random.Random, v: BaseView, cls: str, *, huge: int) -> tuple[str, tuple[Any, ...], bool, bool, bool | None] | None:
     """One mutant of class ``cls``: (desc, ops, changed, forged, invalid), or None if n/a."""
     family, kind = cls.split(".", 1)
+    if cls == "forged.multi":
+        return _multi(rng, v)
     if family in ("manifest", "forged") and kind in MANIFEST_GENS:
         out = MANIFEST_GENS[kind][1](rng, v)
         if out is None:
@@ -129,6 +132,31 @@ def make(rng: random.Random, v: BaseView, cls: str, *, huge: int) -> tuple[str, 
     gen2 = g_data if family == "data" else g_dir
     out2 = gen2(rng, v, kind)
     return None if out2 is None else (*out2, False, False, None)
+
+
+def _multi(rng: random.Random, v: BaseView) -> tuple[str, tuple[Any, ...], bool, bool, bool | None] | None:
+    """2-4 manifest edits on top of each other, then signed: combinations that a check of one
+    field at a time could miss (e.g. a shape and its chunks changed together)."""
+    view, descs, invalids = v, [], []
+    for _ in range(rng.randint(2, 4)):
+        kind = rng.choice([k for k in MANIFEST_GENS if k != "files"])  # files also move data files
+        try:
+            out = MANIFEST_GENS[kind][1](rng, view)
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError):
+            continue  # an earlier edit broke what this generator edits: try another
+        if out is None:
+            continue
+        desc, man, invalid, *_ = out
+        if not isinstance(man, dict) or canon(man) == canon(view.manifest):
+            continue  # replaced by a non-object (nothing to sign or build on), or no edit at all
+        descs.append(f"{kind}: {desc}")
+        invalids.append(invalid)
+        view = dataclasses.replace(view, manifest=man)
+    text = forge(view.manifest) if len(descs) >= 2 else None
+    if text is None or not changed_from(text, v):
+        return None
+    invalid = True if True in invalids else (None if None in invalids else False)
+    return " + ".join(descs), (("write", MANIFEST, text),), True, True, invalid
 
 
 def generate(views: dict[str, BaseView], seed: int, count: int, *, huge: int = 300 << 20,
