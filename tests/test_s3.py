@@ -216,7 +216,8 @@ def test_s3_two_ranks_roundtrip_retention_async_outage_credentials_hung(endpoint
         out = v["outage"]  # the same type on both ranks, naming the storage failure
         assert out["type"] == "RankFailure", out
         assert "endpoint" in out["msg"] or "no answer" in out["msg"], out["msg"]
-        assert v["outage_elapsed"] < 20, v["outage_elapsed"]  # within the timeout
+        # Within the timeout (20 s); rank 0 then spends a bounded while on the cleanup.
+        assert v["outage_elapsed"] < (20 if o.rank else 20 + 2 * 5), v["outage_elapsed"]
         assert v["after_outage"] == [1, 3] and v["after_outage_ok"]  # step 2 never committed
 
         wc = v["wrong_credentials"]

@@ -33,13 +33,11 @@ from typing import Any
 
 from ._manifest import MANIFEST, max_manifest_bytes
 from ._storage import Storage
-
-# Kept importable from here (older callers): the POSIX helpers.
-from ._storage_posix import fsync_dir, is_committed, remove_tree, write_bytes_atomic  # noqa: F401
 from .errors import CheckpointError, CheckpointExists, SafeckptWarning
 
 TOKEN_FILE = re.compile(r"^rank-(\d{5})\.([0-9a-f]{12})\.safetensors$")
 PROBE_WAIT = 5.0  # seconds a rank waits to see the staging place (NFS attribute caches)
+DISCARD_WAIT = 5.0  # seconds each storage call of the cleanup after a failed save may take
 NOT_SHARED = (
     "safeckpt needs one checkpoint location that every rank reads and writes: a shared "
     "filesystem (NFS, Lustre, GPFS, ...) mounted at the same path on every node, or an object "
@@ -171,6 +169,7 @@ def discard(store: Storage, target: str, staging: dict[str, str]) -> None:
     abort its unfinished uploads. Never raises: this runs while an error is being reported,
     and what it cannot remove (the storage may be what failed) is swept by the next save or
     ``safeckpt gc``."""
+    store = store.bounded(DISCARD_WAIT)
     try:
         if store.renames:
             store.delete_tree(staging["path"])

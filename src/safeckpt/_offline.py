@@ -42,7 +42,13 @@ def verify(
     checksum (reads all bytes once; ``progress(n)`` is told about every n bytes hashed).
     ``storage_options``: the fsspec filesystem's options for a URL ``path``."""
     ckpt = resolve(path)
-    store = storage_for(ckpt, storage_options)
+    return verify_on(storage_for(ckpt, storage_options), ckpt, deep, progress=progress)
+
+
+def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
+              progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """:func:`verify` of the resolved path ``ckpt`` on ``store`` (the manager's, whose calls
+    are bounded by its timeout)."""
     problems: list[str] = []
     try:
         man = open_manifest(ckpt, store)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import importlib
 import os
 from abc import ABC, abstractmethod
@@ -88,6 +89,13 @@ class Storage(ABC):
     def io_timeout(self) -> float:
         """Seconds one storage call may take before it fails with StorageError."""
         return self.timeout * IO_SHARE
+
+    def bounded(self, seconds: float) -> Storage:
+        """This storage with every call bounded by ``seconds`` at most (for cleanups that must
+        not keep an error waiting when the store is what failed)."""
+        quick = copy.copy(self)
+        quick.timeout = min(self.timeout, seconds / IO_SHARE)
+        return quick
 
     # ------------------------------------------------------------------ names
     @abstractmethod

@@ -22,7 +22,7 @@ from ._dist import Coordinator, resolve_timeout
 from ._load import load
 from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
-from ._offline import verify
+from ._offline import verify_on
 from ._preempt import PreemptionWatcher
 from ._save import SnapshotPool, _SaveJob, new_job
 from ._storage import join, resolve, storage_for
@@ -157,7 +157,7 @@ class CheckpointManager:
                 if e.status == "corrupt":
                     damaged.append(f"step {e.step}: unreadable manifest ({e.problem})")
             elif e.status == "committed":
-                report = verify(e.path, deep=False, storage_options=self._options)
+                report = verify_on(self._store, e.path, deep=False)
                 if report.ok:
                     candidates.append([e.step, e.path])
                 else:
