@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from . import _humanize as human
-from ._catalog import Entry, remove_entry, scan
+from ._catalog import Entry, entry_nbytes, remove_entry, scan, unmanaged
 from ._cli_common import (
     EXIT_CODES,
     EXIT_PIPE,
@@ -72,14 +72,13 @@ from ._cli_paths import (
     root_arg,
     save_target,
 )
-from ._lock import LOCK_NAME, holder_is_live, read_lock, writer_lease
-from ._manifest import MANIFEST, CheckpointInfo, read_manifest
+from ._lock import break_lease, holder_is_live, read_lock, writer_lease
+from ._manifest import MANIFEST
 from ._offline import VerifyReport, verify
 from ._reader import open_manifest
-from ._storage import default_options, is_remote, join, parse_options
+from ._storage import default_options, is_remote, join, parse_options, storage_for
 from ._tree import tensor_keys
 from .errors import (
-    CheckpointError,
     CheckpointLocked,
     CorruptCheckpoint,
     SafeckptWarning,
@@ -92,37 +91,17 @@ def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
     return verify(path, deep=deep, progress=advance)
 
 
-def _dir_size(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-    return total
-
-
 def _entry_size(e: Entry) -> int:
-    if is_remote(e.path):
-        from ._catalog import entry_nbytes
-
-        return entry_nbytes(e)
-    return _dir_size(e.path)
+    return entry_nbytes(e)
 
 
 def _has_manifest(path: str) -> bool:
-    if is_remote(path):
-        from ._storage import storage_for
-
-        return storage_for(path).size(join(path, MANIFEST)) is not None
-    return os.path.isfile(os.path.join(path, MANIFEST))
+    return storage_for(path).size(join(path, MANIFEST)) is not None
 
 
 def _root(path: str) -> str:
     root = root_arg(path)
-    if is_remote(root):
-        from ._storage import storage_for
-
-        storage_for(root)  # fsspec and the scheme's package are installed, or a clear error
+    storage_for(root)  # for a URL: fsspec and the scheme's package are installed, or a clear error
     return root  # (an object-store prefix exists only through what is under it)
 
 
@@ -149,25 +128,7 @@ def _lease_line(lease: dict[str, Any]) -> str:
 
 def _unmanaged(root: str, known: set[str]) -> list[Entry]:
     """Checkpoints under ``root`` saved with safeckpt.save under names the manager does not use."""
-    if is_remote(root):
-        from ._catalog import unmanaged
-
-        return unmanaged(root, known)
-    found = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if name in known or name.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if not os.path.isfile(os.path.join(path, MANIFEST)):
-            continue
-        try:
-            man = read_manifest(path)
-        except (CheckpointError, OSError) as exc:
-            found.append(Entry(name, path, "corrupt", None, problem=str(exc)))
-            continue
-        info = CheckpointInfo.from_manifest(path, man)
-        found.append(Entry(name, path, "committed", info.step, info))
-    return found
+    return unmanaged(root, known)
 
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
@@ -361,19 +322,7 @@ def _break_lease(root: str, ui: UI) -> None:
     lease = _lease(root)
     if lease is None:
         return
-    if is_remote(root):
-        from ._lock import break_lease
-
-        break_lease(root)
-        ui.warn(f"warning: broke the writer lease of run {lease['run_id']} on {lease['host']} pid {lease['pid']}"
-                + (" (it looked LIVE: if that job is still saving, its checkpoint may be lost)" if lease["live"] else ""))
-        return
-    aside = os.path.join(root, f"{LOCK_NAME}.broken-{uuid.uuid4().hex[:8]}")
-    try:
-        os.rename(os.path.join(root, LOCK_NAME), aside)
-        os.unlink(aside)
-    except FileNotFoundError:
-        return
+    break_lease(root)
     ui.warn(f"warning: broke the writer lease of run {lease['run_id']} on {lease['host']} pid {lease['pid']}"
             + (" (it looked LIVE: if that job is still saving, its checkpoint may be lost)" if lease["live"] else ""))
 
