@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.fuzz_oracle import BAD, CALLS
-from tests.stress.fuzz import _example, make_bases, run_fuzz
+from tests.stress.fuzz import example, make_bases, run_fuzz
 
 SEED = 8
 COUNT = 250
@@ -49,7 +49,7 @@ def test_no_mutant_has_bad_outcome(results: list[dict[str, Any]], label: str) ->
         ids = ",".join(str(r["mutant"]["id"]) for r in hits[:20])
         pytest.fail(
             f"{len(hits)} of {len(results)} mutants: {label}\n"
-            + "\n".join(_example(r, label) for r in hits[:6])
+            + "\n".join(example(r, label) for r in hits[:6])
             + f"\nrerun: .venv/bin/python -m tests.stress.fuzz --seed {SEED} --mutants {COUNT} "
             f"--huge-mb {HUGE_MB} --only {ids}",
             pytrace=False,

@@ -146,11 +146,11 @@ def findings(results: list[dict[str, Any]], *, header: str = "", per_label: int 
         examples = [min(rs, key=lambda r: len(r["mutant"]["desc"]))
                     for _, rs in sorted(sigs.items(), key=lambda kv: -len(kv[1]))][:per_label]
         for r in examples:
-            out.append(_example(r, label))
+            out.append(example(r, label))
     return "\n".join(out)
 
 
-def _example(r: dict[str, Any], label: str) -> str:
+def example(r: dict[str, Any], label: str) -> str:
     m = r["mutant"]
     lines = [f"- **#{m['id']}** `{m['cls']}` on `{m['base']}`: {m['desc']}"
              + (" (forged checksum" + (", breaks an invariant)" if m["invalid"] else ")") if m["forged"] else ""),
