@@ -19,7 +19,7 @@ without that field, keys in their order), so an edit of any value is detected. E
 shapes, chunk boxes that tile each tensor exactly, byte ranges inside their files, trees.
 Files are opened without following symlinks and only if they are regular files.
 On object stores (fsspec URLs) data files also carry a per-save token,
-``rank-00000.<token>.safetensors`` (see ``safeckpt._remote``); readers use the names the
+``rank-00000.<token>.safetensors`` (see ``safeckpt._commit``); readers use the names the
 manifest lists, whatever they are.
 """
 
