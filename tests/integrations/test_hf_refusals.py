@@ -107,7 +107,10 @@ def test_per_rank_sigterm_handler_of_trainer_is_refused(tmp_path) -> None:
 def test_deepspeed_under_trainer_is_refused(tmp_path, monkeypatch) -> None:
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)  # TrainingArguments sets it
+    # TrainingArguments sets ACCELERATE_USE_DEEPSPEED=true in os.environ; setenv (unlike a
+    # delenv of an absent variable) makes monkeypatch remove it again after the test, so it
+    # cannot leak into the torchrun jobs of later tests (they refused "DeepSpeed is enabled").
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 1}}
     with pytest.raises(safeckpt.CheckpointError, match="DeepSpeed is enabled"):

@@ -72,7 +72,8 @@ class Runs:
 def _launch(phase: str, base: str) -> tuple[int, str]:
     from tests.dist_harness import free_port
 
-    env = {**os.environ, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)),
                                           os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
