@@ -317,3 +317,19 @@ def test_large_edited_manifest_is_refused_before_parsing(ckpt):
     finally:
         tracemalloc.stop()
     assert peak < 80 << 20, peak  # the raw bytes (and a copy), never the parsed objects
+
+
+def test_device_fingerprint_detects_any_changed_word():
+    """The replica digest used for accelerator tensors (no device-to-host copy of the data) is
+    plain torch ops; on CPU here: equal tensors agree, any changed element or dtype view differs."""
+    from safeckpt._save import device_fingerprint
+
+    t = torch.randn(1000, 7)
+    base = device_fingerprint(t, block=1024)
+    assert device_fingerprint(t.clone(), block=1024) == base
+    for i in (0, 3500, 6999):
+        u = t.clone().view(-1)
+        u[i] += 1.0
+        assert device_fingerprint(u.view(1000, 7), block=1024) != base
+    odd = torch.arange(5, dtype=torch.uint8)  # not a multiple of 4 bytes: padded
+    assert device_fingerprint(odd) != device_fingerprint(torch.arange(1, 6, dtype=torch.uint8))
