@@ -1,14 +1,12 @@
-"""Run mutants against every public reader and classify the outcome; hangs cannot stall it.
+"""Run one mutant against every public reader and classify the outcome (worker side).
 
-Mutants run in a worker process (:class:`Pool`) that applies each one to a fresh copy of its
-base root and calls, in order: ``verify(deep=True)``, ``verify(deep=False)``,
+A worker process (driven by :class:`tests.fuzz_pool.Pool`) applies each mutant to a fresh copy
+of its base root and calls, in order: ``verify(deep=True)``, ``verify(deep=False)``,
 ``read_state_dict``, strict ``load`` into a fresh state, ``CheckpointManager.restore`` on the
 root (which also holds the older, valid checkpoint), ``CheckpointManager.list`` and the CLI
-(``safeckpt verify``, ``inspect``, ``ls``: exit 70 or a traceback is a NON_CHECKPOINT_ERROR). The parent
-bounds each call: a worker that does not answer in time is killed and the mutant is a HANG (a
-FIFO blocking ``open`` forever is found this way, and the next mutant gets a new worker). An
-audit hook in the worker records every file opened during a call whose real path is outside
-the checkpoint (OUTSIDE_READ); the peak RSS growth of a mutant over 200 MB is MEMORY.
+(``safeckpt verify``, ``inspect``, ``ls``: exit 70 or a traceback is a NON_CHECKPOINT_ERROR).
+The pool bounds each call (HANG). An audit hook records every file opened during a call whose
+real path is outside the checkpoint (OUTSIDE_READ); peak RSS growth over 200 MB is MEMORY.
 
 Outcomes (a mutant may have several bad ones):
 
@@ -30,7 +28,6 @@ Outcomes (a mutant may have several bad ones):
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import resource
 import shutil
@@ -245,11 +242,11 @@ def run_mutant(m: Mutant, root: str, refs: Refs, scratch: str, progress: Any,
         rss = _maxrss_mb() - rss0
     finally:
         progress("cleanup")
-        _cleanup(ws)
+        cleanup(ws)
     return classify(m, calls, outside, rss)
 
 
-def _cleanup(ws: str) -> None:
+def cleanup(ws: str) -> None:
     for d, dirs, files in os.walk(ws):
         for n in dirs + files:
             try:
@@ -381,130 +378,3 @@ def worker_main(conn: Any, bases: dict[str, str], scratch: str, calls: tuple[str
                       "bad": {"CRASH": "fuzzer error: " + "".join(traceback.format_exception(exc))[-600:]},
                       "rss_mb": 0.0}
         conn.send(("done", result))
-
-
-# ------------------------------------------------------------------ parent side
-CANARY = Mutant(-1, "single", "canary", "the harness itself blocks (opens a FIFO for writing)",
-                (("fifo", "@outside/canary"), ("append", "@outside/canary", b"x")))
-"""Run last by every fuzz run: it must come back as a blocked HANG, or hang detection is broken."""
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time used so far by process ``pid`` (0 if unknown): tells a slow call from a blocked one."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-class Pool:
-    """One worker process at a time; a call over ``call_timeout`` seconds is a HANG."""
-
-    def __init__(self, bases: dict[str, str], *, call_timeout: float = 30.0, start_timeout: float = 300.0,
-                 calls: tuple[str, ...] = CALLS) -> None:
-        self.bases = bases
-        self.calls = calls
-        self.call_timeout = call_timeout
-        self.start_timeout = start_timeout
-        self.scratch = tempfile.mkdtemp(prefix="safeckpt-fuzz-")
-        self.proc: Any = None
-        self.conn: Any = None
-        self.restarts = 0
-
-    def _start(self, attempts: int = 6) -> None:
-        """Start a worker; retry a few times (src/ may be caught mid-edit by a worker's imports)."""
-        for attempt in range(attempts):
-            try:
-                return self._start_once()
-            except RuntimeError:
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(10)
-
-    def _start_once(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            self.proc = ctx.Process(target=worker_main, args=(child, self.bases, self.scratch, self.calls), daemon=True)
-            self.proc.start()
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
-        child.close()
-        if not self.conn.poll(self.start_timeout):
-            self._kill()
-            raise RuntimeError("fuzz worker did not start")
-        try:
-            kind, info = self.conn.recv()
-        except (EOFError, OSError):
-            kind, info = "error", f"worker died at start (exit code {self.proc.exitcode})"
-        if kind != "ready":
-            self._kill()
-            raise RuntimeError(f"fuzz worker failed to start:\n{info}")
-
-    def _kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.join(10)
-        self.proc = None
-        self.restarts += 1
-
-    def run(self, m: Mutant, timeout: float | None = None) -> dict[str, Any]:
-        """Run one mutant; ``timeout`` overrides the per-call limit (for the canary)."""
-        limit = self.call_timeout if timeout is None else timeout
-        if self.proc is None:
-            self._start()
-        self.conn.send(m)
-        current = "send"
-        t0 = time.monotonic()
-        cpu0 = _cpu_seconds(self.proc.pid)
-        while True:
-            if not self.conn.poll(limit):
-                used = _cpu_seconds(self.proc.pid) - cpu0
-                how = (f"busy: {used:.0f}s of CPU, slow rather than blocked" if used > limit / 4
-                       else f"blocked: {used:.1f}s of CPU")
-                self._kill()
-                return self._failed(m, "HANG", f"{current} did not return within {limit:.0f}s ({how})")
-            try:
-                kind, info = self.conn.recv()
-            except (EOFError, OSError):
-                code = self.proc.exitcode if self.proc is not None else None
-                self._kill()
-                return self._failed(m, "CRASH", f"worker died (exit code {code}) during {current}")
-            if kind == "call":
-                current = info
-                cpu0 = _cpu_seconds(self.proc.pid)
-                continue
-            info["secs"] = round(time.monotonic() - t0, 2)
-            if info["rss_mb"] > 50:  # keep the next mutant's peak-RSS baseline honest
-                self._kill()
-            return info
-
-    @staticmethod
-    def _failed(m: Mutant, label: str, detail: str) -> dict[str, Any]:
-        return {"mutant": mutant_dict(m), "bad": {label: detail}, "outcome": "BAD",
-                "calls": {}, "rss_mb": 0.0}
-
-    def close(self) -> None:
-        if self.proc is not None:
-            try:
-                self.conn.send(None)
-                self.proc.join(10)
-            except OSError:
-                pass
-            if self.proc.is_alive():
-                self.proc.kill()
-        self.proc = None
-        _cleanup(self.scratch)
-
-    def __enter__(self) -> Pool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -30,7 +30,8 @@ from typing import Any
 
 from tests.fuzz_bases import BASES_VERSION, STEP_A, STEP_B, write_ddp, write_single
 from tests.fuzz_mutants import BaseView, generate
-from tests.fuzz_oracle import BAD, CALLS, CANARY, GOOD, Pool
+from tests.fuzz_oracle import BAD, CALLS, GOOD
+from tests.fuzz_pool import CANARY, Pool
 
 
 def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
