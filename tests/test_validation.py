@@ -333,3 +333,25 @@ def test_device_fingerprint_detects_any_changed_word():
         assert device_fingerprint(u.view(1000, 7), block=1024) != base
     odd = torch.arange(5, dtype=torch.uint8)  # not a multiple of 4 bytes: padded
     assert device_fingerprint(odd) != device_fingerprint(torch.arange(1, 6, dtype=torch.uint8))
+
+
+def test_forged_object_without_tree_and_odd_param_ids_fail_cleanly(ckpt):
+    """Found by the fuzzer with re-signed manifests: an object record without a tree, and an
+    optimizer param id that is a list, must be CheckpointErrors, not KeyError/TypeError."""
+    man = _manifest(ckpt)
+    del man["objects"]["extra"]["tree"]
+    man["tensors"].pop("extra/t")
+    _signed(ckpt, man)
+    assert not safeckpt.verify(ckpt).ok
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="no tree"):
+        safeckpt.read_state_dict(ckpt)
+    other = ckpt.parent / "other"
+    safeckpt.save(other, _state(0))
+    man = _manifest(other)
+    man["objects"]["optim"]["tree"]["param_groups"][0]["params"][0] = [4]
+    _signed(other, man)
+    target = _state(1)
+    before = _snapshot(target)
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="optim"):
+        safeckpt.load(other, target)
+    assert _same(before, _snapshot(target))

@@ -43,7 +43,9 @@ def is_optimizer_tree(tree: Any) -> bool:
         isinstance(tree, dict)
         and isinstance(tree.get("state"), dict)
         and isinstance(tree.get("param_groups"), list)
-        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in tree["param_groups"])
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in g["params"])
+                for g in tree["param_groups"])
     )
 
 

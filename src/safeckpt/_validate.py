@@ -107,6 +107,8 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         if not isinstance(name, str) or not name or "/" in name or name.startswith("@"):
             raise _Bad(f"object name {name!r} is not a valid state key")
         obj = _dict(obj, f"object {name!r}")
+        if "tree" not in obj:
+            raise _Bad(f"object {name!r} has no tree")
         if obj.get("kind") not in KINDS:
             raise _Bad(f"object {name!r} has unknown kind {obj.get('kind')!r:.40}")
         trees = [obj.get("tree")]
@@ -136,6 +138,8 @@ def _check_alias(key: str, rec: dict[str, Any], tensors: dict[str, Any]) -> None
     other = _dict(tensors[target], f"tensor {target!r:.200}")
     if "alias_of" in other:
         raise _Bad(f"{what} is an alias of {target!r:.200}, itself an alias")
+    for d in _list(rec.get("shape"), f"shape of {what}"):
+        _int(d, f"a dimension of {what}")
     for field in ("dtype", "shape", "scope"):
         if rec.get(field) != other.get(field):
             raise _Bad(f"{what} is an alias of {target!r:.200} but its {field} differs")
