@@ -279,15 +279,7 @@ class TensorReader:
     def new(self, key: str) -> torch.Tensor:
         """The stored tensor ``key`` as a fresh CPU tensor (full, unsharded). Tensors stored
         once for several keys (tied weights) come back as one tensor, still tied."""
-        canonical = self.man["tensors"].get(key, {}).get("alias_of", key)
-        if canonical in self._made:
-            return self._made[canonical]
-        rec = self.record(key)
-        t = torch.empty(tuple(rec["shape"]), dtype=torch_dtype(rec["dtype"]))
-        self.fill(key, t)
-        if canonical in self._tied:
-            self._made[canonical] = t
-        return t
+        return self.new_many([key])[key]
 
     def close(self) -> None:
         for f in self._files.values():
