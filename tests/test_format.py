@@ -113,6 +113,47 @@ def test_bit_flip_in_data_is_caught_by_checksums(ckpt):
     assert (flat["model/0.weight"] != model[0].weight).sum().item() == 1
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_bit_flip_in_state_read_into_fresh_tensors(tmp_path, where):
+    """Optimizer state and read_state_dict's tensors are fresh, so they are verified in the same
+    pass that reads them (piece by piece): a flip in any piece of a multi-piece chunk still
+    fails the load, and the optimizer and model keep their state."""
+    from safeckpt._shardfile import HASH_BUFFER
+
+    model = nn.Linear(1024, 3 * HASH_BUFFER // 4096 + 7)  # weight chunk spans several pieces
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 1024)).sum().backward()
+    opt.step()
+    path = tmp_path / "ck"
+    safeckpt.save(path, {"model": model, "opt": opt})
+    key = next(k for k in _manifest(path)["tensors"] if k.startswith("opt/") and k.endswith("exp_avg_sq")
+               and _manifest(path)["tensors"][k]["shape"][0] > 1)
+    c = _chunk(_manifest(path), key)
+    assert c["end"] - c["start"] > 2 * HASH_BUFFER
+    pos = c["start"] + 1 if where == "first" else c["end"] - 2
+    with open(path / DATA, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x01]))
+    target = nn.Linear(1024, model.out_features)
+    target_opt = torch.optim.Adam(target.parameters())
+    target(torch.ones(2, 1024)).sum().backward()
+    target_opt.step()
+    before_model = {k: v.clone() for k, v in target.state_dict().items()}
+    before_opt = {i: {k: v.clone() for k, v in s.items()} for i, s in target_opt.state_dict()["state"].items()}
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
+        safeckpt.load(path, {"model": target, "opt": target_opt})
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, before_model[k]), k
+    for i, s in target_opt.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, before_opt[i][k]), (i, k)
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
+        safeckpt.read_state_dict(path)
+    assert safeckpt.read_state_dict(path, verify_checksums=False)[key].shape == target.weight.shape
+
+
 def test_missing_data_file(ckpt):
     path, _ = ckpt
     (path / DATA).unlink()

@@ -155,7 +155,7 @@ def build_state_dict(plan: OptimPlan, reader: TensorReader) -> dict[str, Any]:
             rec = reader.record(key)
             if is_dtensor(p) and list(rec["shape"]) == list(p.shape):
                 t = torch.empty_like(p, dtype=torch_dtype(rec["dtype"]))  # target's mesh/placements
-                reader.fill(key, t)
+                reader.fill(key, t, owned=True)
                 return t
             return reader.new(key)
 

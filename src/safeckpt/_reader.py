@@ -115,12 +115,14 @@ class TensorReader:
         except KeyError:
             raise CorruptCheckpoint(f"manifest tree refers to tensor {key!r} that it does not describe", path=self.dir) from None
 
-    def fill(self, key: str, dst: torch.Tensor) -> None:
+    def fill(self, key: str, dst: torch.Tensor, *, owned: bool = False) -> None:
         """Copy the stored tensor ``key`` into ``dst`` (a tensor or DTensor) in place.
 
-        A DTensor gets only its local shard, read from the chunks that overlap it.
+        A DTensor gets only its local shard, read from the chunks that overlap it. ``owned``:
+        ``dst`` is a fresh tensor nobody else sees yet (see :meth:`fill_box`).
         """
-        self.fill_box(key, dst.to_local() if is_dtensor(dst) else dst, local_box(dst))
+        local = dst.to_local() if is_dtensor(dst) else dst
+        self.fill_box(key, local, local_box(dst), owned=owned)
 
     def _chunks(self, key: str) -> list[dict[str, Any]]:
         """The chunks of ``key`` this rank may read (its own copy of per-rank state)."""
@@ -154,10 +156,12 @@ class TensorReader:
             self._parallel([(lambda kc=kc: self._verify_chunk(*kc)) for kc in todo.values()],
                            {c["file"] for _, c in todo.values()})
 
-    def fill_many(self, targets: list[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`fill` for many (key, destination) pairs, in parallel."""
+    def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
+        """:meth:`fill` for many (key, destination) pairs, in parallel (largest first, so the
+        threads finish together)."""
         files = {c["file"] for key, _ in targets for c in self._chunks(key)}
-        self._parallel([(lambda k=k, t=t: self.fill(k, t)) for k, t in targets], files)
+        order = sorted(targets, key=lambda kt: -kt[1].numel() * kt[1].element_size())
+        self._parallel([(lambda k=k, t=t: self.fill(k, t, owned=owned)) for k, t in order], files)
 
     def new_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """:meth:`new` for many keys (read in parallel; tied keys share one tensor)."""
@@ -174,7 +178,7 @@ class TensorReader:
                 self._made[canonical] = t
             out[key] = t
             fills.append((key, t))
-        self.fill_many(fills)
+        self.fill_many(fills, owned=True)
         return out
 
     def _parallel(self, tasks: list[Any], files: set[str]) -> None:
@@ -201,22 +205,31 @@ class TensorReader:
             digest = f.hash_range(start, end, window)
         else:
             digest = f.hash_range_local(start, end, window)
+        self._compare(key, c, digest)
+
+    def _compare(self, key: str, c: dict[str, Any], digest: str) -> None:
+        """Record chunk ``c`` as verified if ``digest`` is its checksum, else raise."""
         if digest != c.get("xxh3_64"):
             raise CorruptCheckpoint(
-                f"checksum mismatch in {c['file']} bytes {start}-{end} (tensor {key!r}): the "
-                "data is corrupt. Load an older checkpoint (CheckpointManager.restore falls back "
-                "automatically).", path=self.dir,
+                f"checksum mismatch in {c['file']} bytes {c['start']}-{c['end']} (tensor {key!r}): "
+                "the data is corrupt. Load an older checkpoint (CheckpointManager.restore falls "
+                "back automatically).", path=self.dir,
             )
-        self._verified.add(ident)
+        self._verified.add((c["file"], c["start"], c["end"]))
 
-    def fill_box(self, key: str, local: torch.Tensor, box: Box) -> None:
+    def fill_box(self, key: str, local: torch.Tensor, box: Box, *, owned: bool = False) -> None:
         """Copy the region ``box`` ([global offsets, sizes]) of the stored tensor ``key`` into
         the plain tensor ``local`` (of shape ``box[1]``), touching only overlapping bytes.
-        Every chunk read from is verified first (whole), so nothing unverified is copied."""
+
+        Every chunk read from is verified first (whole), so nothing unverified reaches a tensor
+        someone else holds. With ``owned`` (``local`` is a fresh tensor the caller drops if this
+        raises), a chunk read whole into it is verified in the same pass instead: hashed piece
+        by piece right after each read, so the bytes cross memory once."""
         rec = self.record(key)
         dtype = torch_dtype(rec["dtype"])
         chunks = self._chunks(key)
-        self.check_box(key, box)
+        if not owned:
+            self.check_box(key, box)
         covered = 0
         with torch.no_grad():
             for c in chunks:
@@ -234,10 +247,16 @@ class TensorReader:
                     dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))]
                     if dst.is_contiguous() and dst.numel():
                         # Straight from the file into the destination: no mapping, no copy.
-                        f.read_into(c["start"], memoryview(dst.view(-1).view(torch.uint8).numpy()))
+                        into = memoryview(dst.view(-1).view(torch.uint8).numpy())
+                        ident = (c["file"], c["start"], c["end"])
+                        if owned and self.verify and ident not in self._verified:
+                            self._compare(key, c, f.read_hash_into(c["start"], into))
+                        else:
+                            f.read_into(c["start"], into)
                         covered += dst.numel()
                         self.nbytes_read += c["end"] - c["start"]
                         continue
+                self._verify_chunk(key, c)
                 if whole or not hasattr(f, "rows"):
                     src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
                 else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
