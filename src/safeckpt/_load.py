@@ -6,9 +6,10 @@
                         on a strict load any mismatch raises IncompatibleCheckpoint on every
                         rank before anything in memory is touched.
 3. check (all ranks)    each rank reads what it needs: stateful objects' state into fresh
-                        tensors, and the chunks its in-place targets need are verified against
-                        their checksums. Any damage raises CorruptCheckpoint on every rank, and
-                        nothing in the caller's state has been touched yet.
+                        tensors (verified as it is read), and the chunks its in-place targets
+                        need are verified against their checksums (ranks of one machine split
+                        that work, see _verify_split). Any damage raises CorruptCheckpoint on
+                        every rank, and nothing in the caller's state has been touched yet.
 4. apply (all ranks)    stateful objects get load_state_dict; verified chunks are copied into
                         the existing tensors in place; plain values are replaced.
 
@@ -45,6 +46,7 @@ from ._tree import (
     unescape_key,
     unwrap_module,
 )
+from ._verify_split import page_cache_id, split_verification
 from .errors import IncompatibleCheckpoint, RankMismatch, SafeckptWarning
 
 
@@ -81,8 +83,10 @@ def load(
     job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size, store)
     unchanged = "Nothing was loaded; the state is unchanged."
     try:
-        coord.run("plan", job.plan, hint=unchanged)
+        plans = coord.run("plan", job.plan, hint=unchanged)
+        job.share_verification(plans)
         coord.run("check", job.check, hint=unchanged)
+        job.reader.trust(job.verified_by_others)  # every rank's share checked out
         coord.run("apply", job.apply)
     finally:
         job.reader.close()
@@ -118,6 +122,9 @@ class _LoadJob:
         self.trees: dict[str, Any] = {}
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
+        self.in_place: list[tuple[str, Any]] = []  # (key, box) of targets copied into in place
+        self.my_share: set[int] | None = None  # chunk indices this rank verifies (None: all)
+        self.verified_by_others: list[int] = []
 
     def _tree_for(self, name: str, value: Any) -> Any:
         """The saved tree to load into ``value``, or NO_COPY when this rank has none."""
@@ -146,7 +153,7 @@ class _LoadJob:
             )
         return obj.get("rank_trees", {}).get(str(self.rank), obj["tree"])
 
-    def plan(self) -> None:
+    def plan(self) -> dict[str, Any] | None:
         problems: list[str] = []
         saved = self.man["objects"]
         for name in saved:
@@ -202,6 +209,8 @@ class _LoadJob:
                 else:
                     matched[key] = have[key]
             self.targets[name] = matched
+        self.in_place = [(key, local_box(leaf.tensor)) for matched in self.targets.values()
+                         for key, leaf in matched.items()]
         if problems and self.strict:
             raise IncompatibleCheckpoint(
                 f"checkpoint {self.dir} does not fit the state (strict load):\n  "
@@ -210,23 +219,33 @@ class _LoadJob:
                 + "\nPass strict=False to load the entries that fit."
             )
         self.skipped = problems
+        if self.world_size == 1:
+            return None
+        cache = page_cache_id(self.dir) if self.reader.store.renames else None
+        return {"cache": cache, "need": self.reader.needed_ids(self.in_place)}
+
+    def share_verification(self, plans: list[dict[str, Any] | None]) -> None:
+        """Take this rank's share of the chunk verification (see _verify_split)."""
+        if self.world_size == 1 or any(p is None for p in plans):
+            return
+        sizes = [end - start for _, start, end in self.reader.chunk_ids()]
+        shares = split_verification(plans, sizes)
+        self.my_share = shares[self.rank]
+        self.verified_by_others = sorted(set(plans[self.rank]["need"]) - self.my_share)
 
     def check(self) -> None:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place
         targets need; touches nothing in the caller's state."""
         self.loaded: dict[str, Any] = {}
-        targets: list[tuple[str, Any]] = []
         for name, tree in self.trees.items():
-            value = self.state[name]
-            if kind_of(value) == "stateful":
-                if name in self.optim_plans:
-                    self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], self.reader)
-                else:
-                    tensors = self.reader.new_many(list(tensor_keys(tree)))
-                    self.loaded[name] = decode(tree, tensors.__getitem__)
+            if kind_of(self.state[name]) != "stateful":
                 continue
-            targets.extend((key, local_box(leaf.tensor)) for key, leaf in self.targets[name].items())
-        self.reader.check_many(targets)
+            if name in self.optim_plans:
+                self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], self.reader)
+            else:
+                tensors = self.reader.new_many(list(tensor_keys(tree)))
+                self.loaded[name] = decode(tree, tensors.__getitem__)
+        self.reader.check_many(self.in_place, only=self.my_share)
 
     def apply(self) -> None:
         """Hand stateful objects their state, then copy verified chunks into place.

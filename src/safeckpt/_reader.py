@@ -142,8 +142,9 @@ class TensorReader:
             if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
                 self._verify_chunk(key, c)
 
-    def check_many(self, targets: list[tuple[str, Box]]) -> None:
-        """:meth:`check_box` for many (key, box) pairs, chunks verified in parallel."""
+    def _needed(self, targets: list[tuple[str, Box]]) -> dict[tuple[str, int, int], tuple[str, dict[str, Any]]]:
+        """The chunks (by (file, start, end)) that reading ``targets`` touches and that are not
+        verified yet, each with a key it belongs to."""
         todo: dict[tuple[str, int, int], tuple[str, dict[str, Any]]] = {}
         for key, box in targets:
             for c in self._chunks(key):
@@ -152,9 +153,41 @@ class TensorReader:
                     continue
                 if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
                     todo[ident] = (key, c)
+        return todo
+
+    def chunk_ids(self) -> list[tuple[str, int, int]]:
+        """Every non-empty chunk of the checkpoint as (file, start, end), in one order every rank
+        computes alike (so ranks can name chunks by index)."""
+        if not hasattr(self, "_chunk_ids"):
+            self._chunk_ids = sorted({(c["file"], c["start"], c["end"]) for rec in self.man["tensors"].values()
+                                      for c in rec.get("chunks", ()) if c["end"] > c["start"]})
+        return self._chunk_ids
+
+    def needed_ids(self, targets: list[tuple[str, Box]]) -> list[int]:
+        """Indices (into :meth:`chunk_ids`) of the chunks :meth:`check_many` would verify."""
+        if not self.verify:
+            return []
+        index = {ident: i for i, ident in enumerate(self.chunk_ids())}
+        return sorted(index[ident] for ident in self._needed(targets))
+
+    def check_many(self, targets: list[tuple[str, Box]], only: set[int] | None = None) -> None:
+        """:meth:`check_box` for many (key, box) pairs, chunks verified in parallel. ``only``:
+        verify just these chunk indices (the rest are another rank's share, see
+        ``_verify_split``; :meth:`trust` them once every rank's check succeeded)."""
+        todo = self._needed(targets)
+        if only is not None:
+            ids = self.chunk_ids()
+            keep = {ids[i] for i in only}
+            todo = {ident: kc for ident, kc in todo.items() if ident in keep}
         if self.verify:
             self._parallel([(lambda kc=kc: self._verify_chunk(*kc)) for kc in todo.values()],
                            {c["file"] for _, c in todo.values()})
+
+    def trust(self, ids: Sequence[int]) -> None:
+        """Count chunks (indices into :meth:`chunk_ids`) as verified: another rank reading the
+        same page cache verified them in a check phase that succeeded on every rank."""
+        chunk_ids = self.chunk_ids()
+        self._verified.update(chunk_ids[i] for i in ids)
 
     def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
         """:meth:`fill` for many (key, destination) pairs, in parallel (largest first, so the

@@ -1,0 +1,138 @@
+"""Ranks of one machine share the verification of replicated chunks (src/safeckpt/_verify_split.py).
+
+Each chunk is hashed by one rank that reads it through the same page cache; a corrupt chunk
+still fails the load on every rank, with every rank's state unchanged, including ranks that
+did not hash that chunk themselves. Ranks that do not share a page cache verify everything.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import safeckpt
+from safeckpt._verify_split import page_cache_id, split_verification
+from tests import dist_harness
+
+DATA = "rank-00000.safetensors"
+
+
+def test_every_needed_chunk_is_verified_once_per_page_cache_group():
+    sizes = [100, 5, 60, 60, 1, 30]
+    plans = [
+        {"cache": "A", "need": [0, 1, 2, 3, 4, 5]},
+        {"cache": "A", "need": [0, 1, 2, 3, 4, 5]},
+        {"cache": "A", "need": [2, 3]},
+        {"cache": "B", "need": [0, 5]},
+        {"cache": None, "need": [1, 2]},
+        {"cache": None, "need": [1, 2]},
+    ]
+    shares = split_verification(plans, sizes)
+    for group in ([0, 1, 2], [3], [4], [5]):
+        needed = set().union(*(plans[r]["need"] for r in group))
+        got = [i for r in group for i in shares[r]]
+        assert sorted(got) == sorted(needed), group  # each needed chunk exactly once in the group
+        for r in group:
+            assert shares[r] <= set(plans[r]["need"])  # a rank verifies only what it reads
+    assert shares[4] == shares[5] == {1, 2}  # no shared page cache known: each verifies alone
+    loads = [sum(sizes[i] for i in shares[r]) for r in (0, 1, 2)]
+    assert max(loads) - min(loads) <= 100, loads  # spread, largest first
+    assert split_verification(plans, sizes) == shares  # deterministic
+
+
+def test_page_cache_id_names_the_directory(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = page_cache_id(str(tmp_path / "a"))
+    assert a is not None and a == page_cache_id(str(tmp_path / "a"))
+    assert a != page_cache_id(str(tmp_path / "b"))
+    assert page_cache_id(str(tmp_path / "missing")) is None
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": {f"t{i}": torch.randn(64, 256, generator=g) for i in range(8)}}
+
+
+def _load_counting(rank: int, world: int, path: str, split_hosts: bool) -> dict:
+    """Load into a state of other values; report how many chunks this rank hashed, and whether
+    the state is the saved one or unchanged."""
+    import safeckpt._load as load_mod
+    import safeckpt._shardfile as shardfile
+
+    if split_hosts:  # pretend every rank is on its own machine
+        load_mod.page_cache_id = lambda d, r=rank: f"host-{r}"
+    hashed = []
+    orig = shardfile.MappedFile.hash_range_local
+
+    def counting(self, start, end, window):
+        hashed.append((start, end))
+        return orig(self, start, end, window)
+
+    shardfile.MappedFile.hash_range_local = counting
+    state = _state(99)
+    before = {k: v.clone() for k, v in state["w"].items()}
+    error = None
+    try:
+        safeckpt.load(path, state)
+    except safeckpt.CheckpointError as exc:
+        error = type(exc).__name__
+    saved = _state(1)["w"]
+    return {
+        "hashed": sorted(hashed),
+        "error": error,
+        "unchanged": all(torch.equal(state["w"][k], before[k]) for k in before),
+        "loaded": all(torch.equal(state["w"][k], saved[k]) for k in saved),
+    }
+
+
+def _save(tmp_path) -> str:
+    path = tmp_path / "ck"
+    safeckpt.save(path, _state(1))
+    return str(path)
+
+
+def _chunks(path: str) -> list[tuple[int, int]]:
+    man = json.loads(open(f"{path}/manifest.json").read())
+    return sorted((c["start"], c["end"]) for rec in man["tensors"].values() for c in rec["chunks"])
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_of_one_machine_split_the_hashing(tmp_path):
+    path = _save(tmp_path)
+    out = dist_harness.run(_load_counting, 2, path, False, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    a, b = (o.value for o in out)
+    assert a["loaded"] and b["loaded"] and a["error"] is None is b["error"]
+    assert a["hashed"] and b["hashed"] and not set(a["hashed"]) & set(b["hashed"])
+    assert sorted(a["hashed"] + b["hashed"]) == _chunks(path)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_without_a_shared_page_cache_each_verify_everything(tmp_path):
+    path = _save(tmp_path)
+    out = dist_harness.run(_load_counting, 2, path, True, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        assert o.value["loaded"] and o.value["hashed"] == _chunks(path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_chunk_only_the_other_rank_hashed_still_fails_the_load_everywhere(tmp_path, which):
+    path = _save(tmp_path)
+    start, end = _chunks(path)[which]
+    with open(f"{path}/{DATA}", "r+b") as f:
+        f.seek((start + end) // 2)
+        b = f.read(1)
+        f.seek((start + end) // 2)
+        f.write(bytes([b[0] ^ 0x20]))
+    out = dist_harness.run(_load_counting, 2, path, False, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    hashers = [o.rank for o in out if any(s == start for s, _ in o.value["hashed"])]
+    assert len(hashers) == 1  # exactly one rank hashed the damaged chunk ...
+    for o in out:  # ... and both refuse the checkpoint with their state untouched
+        assert o.value["error"] == "CorruptCheckpoint", o.value
+        assert o.value["unchanged"]
