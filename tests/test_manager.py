@@ -659,3 +659,28 @@ def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     assert [i.step for i in mgr.list()] == [9, 10, 11]  # restored, just written, numerically newest
     assert flat_step(safeckpt.read_state_dict(info.path)) == 10
     mgr.close()
+
+
+def _restore_other_roots(rank, world, base):
+    root = os.path.join(base, f"root-{rank}")
+    state = {"w": torch.full((4,), float(rank))}
+    with safeckpt.CheckpointManager(os.path.join(base, "root-0"), keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    with safeckpt.CheckpointManager(root, keep_last=None) as mgr:
+        try:
+            mgr.restore(state)
+        except safeckpt.RankMismatch as exc:
+            return {"error": str(exc), "w": state["w"].tolist()}
+    return {"error": None, "w": state["w"].tolist()}
+
+
+@pytest.mark.timeout(120)
+def test_restore_refuses_ranks_with_different_roots(tmp_path):
+    """Rank 0 picks the checkpoint for everyone: a rank given another root (a per-node path)
+    must not silently load rank 0's pick; every rank raises and keeps its state."""
+    out = dist_harness.run(_restore_other_roots, 2, str(tmp_path), timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        assert o.value["error"] and "different roots" in o.value["error"]
+        assert "root-1" in o.value["error"]
+        assert o.value["w"] == [float(o.rank)] * 4

@@ -107,12 +107,17 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         coord = self._coord(what=f"restore from {self.root}")
-        asked = coord.run("pick", lambda: {"step": step, "pick": self._pick(step, coord.is_coordinator)})
-        if any(a["step"] != step for a in asked):
-            raise RankMismatch(
-                "restore: ranks asked for different steps: "
-                + ", ".join(f"rank {r}: {a['step']}" for r, a in enumerate(asked))
-            )
+        asked = coord.run("pick", lambda: {"root": self.root, "step": step,
+                                           "pick": self._pick(step, coord.is_coordinator)})
+        for field, what in (("root", "roots"), ("step", "steps")):
+            if any(a[field] != asked[0][field] for a in asked):
+                # Rank 0 picks for everyone: a rank with another root would load rank 0's choice.
+                raise RankMismatch(
+                    f"restore: ranks asked for different {what}, nothing was loaded: "
+                    + ", ".join(f"rank {r}: {a[field]!r}" for r, a in enumerate(asked))
+                    + ". Every rank must create its CheckpointManager with the same root and call "
+                    "restore with the same step."
+                )
         picked = asked[0]["pick"]
         for note in picked["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=2)
