@@ -49,6 +49,17 @@ def placement_of(t: torch.Tensor) -> dict[str, Any] | None:
     }
 
 
+def host_addressable(t: torch.Tensor) -> bool:
+    """Whether file bytes can be read straight into ``t``'s memory (a CPU tensor)."""
+    return t.device.type == "cpu"
+
+
+def host_buffer_for(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor like ``t`` to read a chunk for a device tensor into: pinned for CUDA (the
+    copy to the device is then a DMA; torch caches pinned blocks, so loads reuse them)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+
+
 def _intersect(a: Box, b: Box) -> tuple[list[int], list[int]] | None:
     lo, hi = [], []
     for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
@@ -279,13 +290,17 @@ class TensorReader:
                 if whole and hasattr(f, "read_into"):
                     dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))]
                     if dst.is_contiguous() and dst.numel():
-                        # Straight from the file into the destination: no mapping, no copy.
-                        into = memoryview(dst.view(-1).view(torch.uint8).numpy())
+                        # Straight from the file into the destination: no mapping, no copy
+                        # (a GPU tensor: into a pinned host buffer, then one device copy).
+                        host = dst if host_addressable(dst) else host_buffer_for(dst)
+                        into = memoryview(host.view(-1).view(torch.uint8).numpy())
                         ident = (c["file"], c["start"], c["end"])
                         if owned and self.verify and ident not in self._verified:
                             self._compare(key, c, f.read_hash_into(c["start"], into))
                         else:
                             f.read_into(c["start"], into)
+                        if host is not dst:
+                            dst.copy_(host)
                         covered += dst.numel()
                         self.nbytes_read += c["end"] - c["start"]
                         continue
