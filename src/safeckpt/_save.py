@@ -47,6 +47,7 @@ from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._shardfile import tensor_bytes
+from ._staging import PendingCopies, copy_aside
 from ._storage import Storage, resolve, storage_for
 from ._tree import EncodedObject, Leaf, check_name, encode_object, escape_key, param_names
 from .errors import CheckpointError, RankMismatch
@@ -111,6 +112,7 @@ class _SaveJob:
         self.records: list[dict[str, Any]] = []
         self.aliases: dict[str, str] = {}  # key -> the key whose bytes it shares (stored once)
         self.from_rank0: set[str] = set()  # replicated keys written by rank 0 alone, unchecked
+        self.copies = PendingCopies()  # snapshot copies still running on a GPU
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -145,16 +147,14 @@ class _SaveJob:
         srcs = [t for _, t in self.items]  # plain tensors: shards are local already
         with paused_gc():
             bufs = pool.buffers(self.plan_key, [n for n, _ in self.items], srcs)
-            for buf, src in zip(bufs, srcs, strict=True):
-                buf.copy_(src, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            self.copies = copy_aside(bufs, srcs)  # GPU copies may still run: finish() waits
         self.items = [(name, buf) for (name, _), buf in zip(self.items, bufs, strict=True)]
         self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
         self.state = {}
 
     def finish(self) -> CheckpointInfo:
         """Phases 2-4: stage (coordinator), write (all ranks), commit (coordinator)."""
+        self.copies.wait()  # an async save's device-to-host copies
         staging = self.coord.run("stage", self._stage, hint="Nothing was written.")[0]
         try:
             if self.store.renames and self.coord.world_size > 1:
