@@ -22,11 +22,12 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
 
-from ._manifest import dtype_code, open_regular
+from ._manifest import DTYPE_TO_ST, dtype_code, open_regular
 from .errors import CorruptCheckpoint
 
 PIECE = 64 << 20  # bytes hashed and written per system call
@@ -34,22 +35,47 @@ WRITEBACK_WINDOW = 64 << 20  # bytes handed to the disk at a time (see _EarlyWri
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a CPU tensor (copies only if on another device or strided)."""
+    """A zero-copy byte view of a CPU tensor (copies only if on another device or strided).
+
+    Saves call this once per tensor, so the common case (a plain contiguous CPU tensor) takes
+    the fewest torch calls: ``numpy()`` on the tensor itself (~1 us) instead of reshape + view
+    + numpy (~2.5 us; 4,000 small tensors spent 18 ms here)."""
+    if not (t.is_cpu and t.is_contiguous()) or t.requires_grad or t.is_conj() or t.is_neg():
+        t = _plain(t)
+    if t.numel() == 0:
+        return memoryview(b"")
+    as_int = _NUMPY_LACKS.get(t.dtype)
+    return memoryview((t if as_int is None else t.view(as_int)).numpy()).cast("B")
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor without autograd, conjugate or negative bits."""
     if t.requires_grad:
         t = t.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.contiguous()
 
 
-@dataclass(frozen=True)
-class WrittenChunk:
+def _numpy_lacks() -> dict[torch.dtype, torch.dtype]:
+    """Storable dtypes numpy has no type for (bfloat16, float8), each mapped to the integer
+    dtype of the same size: their bytes are reached through a view as that."""
+    same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    lacks = {}
+    for dtype in DTYPE_TO_ST:
+        try:
+            torch.zeros(1, dtype=dtype).numpy()
+        except TypeError:
+            lacks[dtype] = same_size[torch.empty((), dtype=dtype).element_size()]
+    return lacks
+
+
+_NUMPY_LACKS = _numpy_lacks()
+
+
+class WrittenChunk(NamedTuple):  # a tuple: one per tensor, cheap to create by the thousand
     name: str
     start: int
     end: int
@@ -180,42 +206,71 @@ def stream_safetensors(
     descending element size (every tensor aligned), header padded to 8 bytes.
     ``written_upto(pos)`` is told after each piece how many bytes have been written.
     """
-    order = sorted(items, key=lambda it: -it[1].element_size())
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in order:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    prefix = struct.pack("<Q", len(raw)) + raw
-
+    items = list(items)
+    order, prefix = _header(items, metadata)
     file_hash = xxhash.xxh3_128(prefix)
     write(memoryview(prefix))
     chunks: list[WrittenChunk] = []
     pos = len(prefix)
-    for name, t in order:
+    for i in order:
+        name, t = items[i]
         data = tensor_bytes(t)
+        end = pos + len(data)
         if len(data) <= PIECE:  # one piece: the one-shot hash is cheaper for small tensors
             file_hash.update(data)
             write(data)
             digest = xxhash.xxh3_64_hexdigest(data)
             if written_upto is not None:
-                written_upto(pos + len(data))
+                written_upto(end)
         else:
-            chunk_hash = xxhash.xxh3_64()
-            for off in range(0, len(data), PIECE):
-                piece = data[off : off + PIECE]
-                chunk_hash.update(piece)
-                file_hash.update(piece)
-                write(piece)
-                if written_upto is not None:
-                    written_upto(pos + off + len(piece))
-            digest = chunk_hash.hexdigest()
-        chunks.append(WrittenChunk(name, pos, pos + len(data), digest))
-        pos += len(data)
+            digest = _stream_pieces(data, pos, file_hash, write, written_upto)
+        chunks.append(WrittenChunk(name, pos, end, digest))
+        pos = end
     return WrittenFile(size=pos, xxh3_128=file_hash.hexdigest(), chunks=tuple(chunks))
+
+
+def _stream_pieces(data: memoryview, pos: int, file_hash: Any, write: Callable[[memoryview], None],
+                   written_upto: Callable[[int], None] | None) -> str:
+    """Write one large tensor's bytes (starting at file offset ``pos``) PIECE by PIECE; its xxh3-64."""
+    chunk_hash = xxhash.xxh3_64()
+    for off in range(0, len(data), PIECE):
+        piece = data[off : off + PIECE]
+        chunk_hash.update(piece)
+        file_hash.update(piece)
+        write(piece)
+        if written_upto is not None:
+            written_upto(pos + off + len(piece))
+    return chunk_hash.hexdigest()
+
+
+def _header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> tuple[list[int], bytes]:
+    """(write order as indices into ``items``, the file's header bytes), cached by names, dtypes
+    and shapes: a training loop writes the same layout every time, and for 4,000 tensors
+    building and encoding the header took 7 ms of the save; the key takes under 1 ms."""
+    key = (tuple([(name, t.dtype, t.shape) for name, t in items]), tuple(metadata.items()))
+    hit = _HEADERS.get(key)
+    if hit is None:
+        hit = _HEADERS[key] = _build_header(items, metadata)
+        while len(_HEADERS) > 4:
+            _HEADERS.pop(next(iter(_HEADERS)), None)
+    return hit
+
+
+def _build_header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> tuple[list[int], bytes]:
+    order = sorted(range(len(items)), key=lambda i: -items[i][1].element_size())
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for i in order:
+        name, t = items[i]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return order, struct.pack("<Q", len(raw)) + raw
+
+
+_HEADERS: dict[tuple, tuple[list[int], bytes]] = {}  # layout -> (order, header bytes), newest last
 
 
 def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> WrittenFile:
