@@ -123,6 +123,7 @@ class _LoadJob:
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
         self.in_place: list[tuple[str, Any]] = []  # (key, box) of targets copied into in place
+        self.boxes: dict[str, Any] = {}  # the same, by key
         self.my_share: set[int] | None = None  # chunk indices this rank verifies (None: all)
         self.verified_by_others: list[int] = []
 
@@ -211,6 +212,7 @@ class _LoadJob:
             self.targets[name] = matched
         self.in_place = [(key, local_box(leaf.tensor)) for matched in self.targets.values()
                          for key, leaf in matched.items()]
+        self.boxes = dict(self.in_place)
         if problems and self.strict:
             raise IncompatibleCheckpoint(
                 f"checkpoint {self.dir} does not fit the state (strict load):\n  "
@@ -273,7 +275,7 @@ class _LoadJob:
             if kind == "stateful":
                 continue
             matched = self.targets[name]
-            self.reader.fill_many([(key, leaf.tensor) for key, leaf in matched.items()])
+            self.reader.fill_many([(key, leaf.tensor) for key, leaf in matched.items()], boxes=self.boxes)
             if kind == "module":
                 self._finish_module(name, value, matched)
             elif kind == "tree":

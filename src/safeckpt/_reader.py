@@ -126,14 +126,15 @@ class TensorReader:
         except KeyError:
             raise CorruptCheckpoint(f"manifest tree refers to tensor {key!r} that it does not describe", path=self.dir) from None
 
-    def fill(self, key: str, dst: torch.Tensor, *, owned: bool = False) -> None:
+    def fill(self, key: str, dst: torch.Tensor, *, owned: bool = False, box: Box | None = None) -> None:
         """Copy the stored tensor ``key`` into ``dst`` (a tensor or DTensor) in place.
 
         A DTensor gets only its local shard, read from the chunks that overlap it. ``owned``:
-        ``dst`` is a fresh tensor nobody else sees yet (see :meth:`fill_box`).
+        ``dst`` is a fresh tensor nobody else sees yet (see :meth:`fill_box`). ``box``: its
+        :func:`local_box`, if the caller has it already.
         """
         local = dst.to_local() if is_dtensor(dst) else dst
-        self.fill_box(key, local, local_box(dst), owned=owned)
+        self.fill_box(key, local, box or local_box(dst), owned=owned)
 
     def _chunks(self, key: str) -> list[dict[str, Any]]:
         """The chunks of ``key`` this rank may read (its own copy of per-rank state)."""
@@ -200,12 +201,14 @@ class TensorReader:
         chunk_ids = self.chunk_ids()
         self._verified.update(chunk_ids[i] for i in ids)
 
-    def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
+    def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False,
+                  boxes: dict[str, Box] | None = None) -> None:
         """:meth:`fill` for many (key, destination) pairs, in parallel (largest first, so the
-        threads finish together)."""
+        threads finish together). ``boxes``: the destinations' local boxes by key, if known."""
         files = {c["file"] for key, _ in targets for c in self._chunks(key)}
         order = sorted(targets, key=lambda kt: -kt[1].numel() * kt[1].element_size())
-        self._parallel([(lambda k=k, t=t: self.fill(k, t, owned=owned)) for k, t in order], files)
+        boxes = boxes or {}
+        self._parallel([(lambda k=k, t=t: self.fill(k, t, owned=owned, box=boxes.get(k))) for k, t in order], files)
 
     def new_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """:meth:`new` for many keys (read in parallel; tied keys share one tensor)."""
@@ -265,15 +268,14 @@ class TensorReader:
         """Copy the region ``box`` ([global offsets, sizes]) of the stored tensor ``key`` into
         the plain tensor ``local`` (of shape ``box[1]``), touching only overlapping bytes.
 
-        Every chunk read from is verified first (whole), so nothing unverified reaches a tensor
-        someone else holds. With ``owned`` (``local`` is a fresh tensor the caller drops if this
-        raises), a chunk read whole into it is verified in the same pass instead: hashed piece
-        by piece right after each read, so the bytes cross memory once."""
+        Every chunk is verified (whole) before anything is copied out of it; a load verifies
+        all of them in its check phase, so here that is a lookup. With ``owned`` (``local`` is
+        a fresh tensor the caller drops if this raises), a chunk read whole into it is verified
+        in the same pass instead: hashed piece by piece right after each read, so the bytes
+        cross memory once."""
         rec = self.record(key)
         dtype = torch_dtype(rec["dtype"])
         chunks = self._chunks(key)
-        if not owned:
-            self.check_box(key, box)
         covered = 0
         with torch.no_grad():
             for c in chunks:
@@ -298,6 +300,7 @@ class TensorReader:
                         if owned and self.verify and ident not in self._verified:
                             self._compare(key, c, f.read_hash_into(c["start"], into))
                         else:
+                            self._verify_chunk(key, c)
                             f.read_into(c["start"], into)
                         if host is not dst:
                             dst.copy_(host)
