@@ -146,14 +146,6 @@ class TensorReader:
                 raise CorruptCheckpoint(f"no per-rank copy of {key!r} for rank {self.rank}", path=self.dir)
         return chunks
 
-    def check_box(self, key: str, box: Box) -> None:
-        """Verify (once) the checksum of every chunk of ``key`` that overlaps ``box``, reading
-        each such chunk whole. Loads call this for everything they will read before copying
-        anything, so a damaged checkpoint fails before the caller's state is touched."""
-        for c in self._chunks(key):
-            if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
-                self._verify_chunk(key, c)
-
     def _needed(self, targets: list[tuple[str, Box]]) -> dict[tuple[str, int, int], tuple[str, dict[str, Any]]]:
         """The chunks (by (file, start, end)) that reading ``targets`` touches and that are not
         verified yet, each with a key it belongs to."""
@@ -183,7 +175,10 @@ class TensorReader:
         return sorted(index[ident] for ident in self._needed(targets))
 
     def check_many(self, targets: list[tuple[str, Box]], only: set[int] | None = None) -> None:
-        """:meth:`check_box` for many (key, box) pairs, chunks verified in parallel. ``only``:
+        """Verify (once, in parallel) the checksum of every chunk that the (key, box) targets
+        overlap, reading each such chunk whole. Loads call this for everything they will copy
+        in place before copying anything, so a damaged checkpoint fails before the caller's
+        state is touched. ``only``:
         verify just these chunk indices (the rest are another rank's share, see
         ``_verify_split``; :meth:`trust` them once every rank's check succeeded)."""
         todo = self._needed(targets)
