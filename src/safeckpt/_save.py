@@ -195,7 +195,8 @@ class _SaveJob:
                 raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
             self.leaves[leaf.key] = leaf
         self.aliases = find_aliases(self.leaves)
-        self.from_rank0 = {k for name, v in self.state.items() for k in ddp_broadcast_buffers(name, v)
+        self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
+                           for k in ddp_broadcast_buffers(name, v)
                            if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
         layout = self._layout()
         boxes = {
@@ -510,19 +511,21 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
     identical views of one storage): each maps to the first such key in sorted order, whose
     bytes alone are written. Views that differ (another offset, shape or stride) are stored as
     separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
-    by_ptr: dict[int, list[str]] = {}
-    for k, leaf in sorted(leaves.items()):
+    first_at: dict[int, str] = {}  # address -> a key there
+    shared: dict[int, list[str]] = {}  # address -> every key there, where there are several
+    for k, leaf in leaves.items():
         if 0 in leaf.shape:
             continue
         t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
         if t.numel():
-            by_ptr.setdefault(t.data_ptr(), []).append(k)
+            ptr = t.data_ptr()
+            other = first_at.setdefault(ptr, k)
+            if other != k:
+                shared.setdefault(ptr, [other]).append(k)
     aliases: dict[str, str] = {}
-    for keys in by_ptr.values():
-        if len(keys) < 2:
-            continue  # the common case: one tensor per address, nothing more to compare
+    for keys in shared.values():  # rare (tied weights): only these keys are sorted and compared
         first: dict[tuple, str] = {}
-        for k in keys:
+        for k in sorted(keys):
             leaf = leaves[k]
             t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
             ident = (leaf.scope, t.device, leaf.dtype, tuple(t.shape), t.stride(), tuple(leaf.shape))
