@@ -251,7 +251,7 @@ def _encode(value: Any, key: str, leaves: list[Leaf], per_rank: bool) -> Any:
 def _leaf(value: torch.Tensor, key: str, per_rank: bool) -> Leaf:
     """The leaf of tensor ``value`` at ``key`` (``per_rank``: inside a PerRank entry)."""
     per_rank = per_rank or bool(getattr(value, PER_RANK_ATTR, False))
-    scope = "sharded" if is_dtensor(value) else ("per_rank" if per_rank else "replicated")
+    scope = "sharded" if isinstance(value, DTensor) else ("per_rank" if per_rank else "replicated")
     return Leaf(key, value.detach() if value.requires_grad else value, scope)
 
 
