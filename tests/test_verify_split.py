@@ -136,3 +136,12 @@ def test_a_chunk_only_the_other_rank_hashed_still_fails_the_load_everywhere(tmp_
     for o in out:  # ... and both refuse the checkpoint with their state untouched
         assert o.value["error"] == "CorruptCheckpoint", o.value
         assert o.value["unchanged"]
+
+
+def test_reader_threads_shrink_with_the_ranks_on_one_machine(monkeypatch):
+    from safeckpt import _reader
+
+    monkeypatch.setattr(_reader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert [_reader.read_threads(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    monkeypatch.setattr(_reader.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert _reader.read_threads(8) == _reader.READ_THREADS

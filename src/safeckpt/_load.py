@@ -29,7 +29,7 @@ import torch
 from . import _optim
 from ._dist import Coordinator
 from ._manifest import CheckpointInfo
-from ._reader import TensorReader, local_box, open_manifest
+from ._reader import TensorReader, local_box, open_manifest, read_threads
 from ._storage import Storage, resolve, storage_for
 from ._tree import (
     KEEP,
@@ -227,9 +227,13 @@ class _LoadJob:
         return {"cache": cache, "need": self.reader.needed_ids(self.in_place)}
 
     def share_verification(self, plans: list[dict[str, Any] | None]) -> None:
-        """Take this rank's share of the chunk verification (see _verify_split)."""
+        """Take this rank's share of the chunk verification (see _verify_split), and size the
+        reader's thread pool for the ranks that share this machine."""
         if self.world_size == 1 or any(p is None for p in plans):
             return
+        mine = plans[self.rank]["cache"]
+        if mine is not None:
+            self.reader.threads = read_threads(sum(p["cache"] == mine for p in plans))
         sizes = [end - start for _, start, end in self.reader.chunk_ids()]
         shares = split_verification(plans, sizes)
         self.my_share = shares[self.rank]
