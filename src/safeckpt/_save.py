@@ -190,10 +190,9 @@ class _SaveJob:
         leaves: list[Leaf] = []
         names = param_names(self.state)
         self.objects = [encode_object(check_name(k), v, leaves, names) for k, v in self.state.items()]
-        for leaf in leaves:
-            if leaf.key in self.leaves:
-                raise CheckpointError(f"two tensors map to the same key {leaf.key!r}; rename one")
-            self.leaves[leaf.key] = leaf
+        self.leaves = {leaf.key: leaf for leaf in leaves}
+        if len(self.leaves) != len(leaves):
+            raise CheckpointError(f"two tensors map to the same key {_first_duplicate(leaves)!r}; rename one")
         self.aliases = find_aliases(self.leaves)
         self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
                            for k in ddp_broadcast_buffers(name, v)
@@ -532,12 +531,15 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
     for k, leaf in leaves.items():
         if 0 in leaf.shape:
             continue
-        t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
-        if t.numel():
-            ptr = t.data_ptr()
-            other = first_at.setdefault(ptr, k)
-            if other != k:
-                shared.setdefault(ptr, [other]).append(k)
+        t = leaf.tensor
+        if leaf.scope == "sharded":
+            t = t.to_local()
+            if not t.numel():
+                continue
+        ptr = t.data_ptr()
+        other = first_at.setdefault(ptr, k)
+        if other != k:
+            shared.setdefault(ptr, [other]).append(k)
     aliases: dict[str, str] = {}
     for keys in shared.values():  # rare (tied weights): only these keys are sorted and compared
         first: dict[tuple, str] = {}
@@ -550,6 +552,16 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
             else:
                 first[ident] = k
     return aliases
+
+
+def _first_duplicate(leaves: list[Leaf]) -> str:
+    """The first key that two of ``leaves`` share."""
+    seen: set[str] = set()
+    for leaf in leaves:
+        if leaf.key in seen:
+            return leaf.key
+        seen.add(leaf.key)
+    return ""
 
 
 def replica_digest(t: torch.Tensor) -> str:

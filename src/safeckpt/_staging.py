@@ -37,13 +37,16 @@ class PendingCopies:
 def copy_aside(bufs: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> PendingCopies:
     """Copy every ``srcs[i]`` into the host tensor ``bufs[i]`` (same shape and dtype).
     CPU copies are done when this returns; CUDA copies when the result's ``wait`` returns."""
-    host_pairs = [(b, s) for b, s in zip(bufs, srcs, strict=True) if s.device.type != "cuda"]
-    if host_pairs:
-        _copy_batched([b for b, _ in host_pairs], [s for _, s in host_pairs])
+    host_dsts, host_srcs = [], []
     by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for b, s in zip(bufs, srcs, strict=True):
-        if s.device.type == "cuda":
+    for b, s in zip(bufs, srcs, strict=True):  # one pass, is_cuda (44 ns; device.type: 280 ns)
+        if s.is_cuda:
             by_device.setdefault(s.device, []).append((b, s))
+        else:
+            host_dsts.append(b)
+            host_srcs.append(s)
+    if host_dsts:
+        _copy_batched(host_dsts, host_srcs)
     pending = PendingCopies()
     for device, pairs in by_device.items():
         pending.events.append(_copy_from_device(device, pairs))

@@ -24,7 +24,7 @@ from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
 from ._offline import verify_on
 from ._preempt import PreemptionWatcher
-from ._save import SnapshotPool, _SaveJob, new_job
+from ._save import SnapshotPool, _SaveJob, new_job, paused_gc
 from ._storage import join, resolve, storage_for
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
@@ -188,10 +188,12 @@ class CheckpointManager:
         coord = self._coord(what=f"save of step {step} to {path}")
         coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
-        job.agree()
         if self._saver is None:
+            job.agree()
             return self._finish(job, coord)
-        job.snapshot(self._pool)
+        with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
+            job.agree()
+            job.snapshot(self._pool)
         background = self._coord("async", what=f"background save of step {step} to {path}")
         job.coord = background
         self._saver.submit(lambda: self._finish(job, background), f"step {step}")
