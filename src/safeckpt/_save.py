@@ -116,8 +116,11 @@ class _SaveJob:
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
-        self.agree()
-        return self.finish()
+        """A synchronous save: the caller waits for all of it, so GC stays paused throughout
+        (the commit of 4,000 tensors allocates ~40k objects; collections ran inside it)."""
+        with paused_gc():
+            self.agree()
+            return self.finish()
 
     def agree(self) -> None:
         """Phase 1 (all ranks): encode, check agreement, and fix this rank's write items."""
@@ -146,9 +149,9 @@ class _SaveJob:
         caller may change the live state while the rest of the save runs in the background."""
         srcs = [t for _, t in self.items]  # plain tensors: shards are local already
         with paused_gc():
-            bufs = pool.buffers(self.plan_key, [n for n, _ in self.items], srcs)
+            staged, bufs = pool.staged(self.plan_key, self.items)
             self.copies = copy_aside(bufs, srcs)  # GPU copies may still run: finish() waits
-        self.items = [(name, buf) for (name, _), buf in zip(self.items, bufs, strict=True)]
+        self.items = staged
         self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
         self.state = {}
 
@@ -490,21 +493,26 @@ class SnapshotPool:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
+        self.items: list[tuple[str, torch.Tensor]] = []
         self.bufs: list[torch.Tensor] = []
         self.by_name: dict[str, torch.Tensor] = {}
 
-    def buffers(self, key: tuple, names: list[str], srcs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if key == self.key and len(self.bufs) == len(srcs):
-            return self.bufs
+    def staged(self, key: tuple, items: list[tuple[str, torch.Tensor]]
+               ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The write items with a buffer in place of each tensor, and the buffers. The same
+        lists for every save of the same plan (building them cost ~0.5 ms for 4,000 tensors)."""
+        if key == self.key and len(self.bufs) == len(items):
+            return self.items, self.bufs
         bufs = []
-        for name, src in zip(names, srcs, strict=True):
+        for name, src in items:
             buf = self.by_name.get(name)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
             bufs.append(buf)
         self.key, self.bufs = key, bufs
-        self.by_name = dict(zip(names, bufs, strict=True))
-        return bufs
+        self.items = [(name, buf) for (name, _), buf in zip(items, bufs, strict=True)]
+        self.by_name = dict(self.items)
+        return self.items, bufs
 
 
 def ddp_broadcast_buffers(name: str, value: Any) -> list[str]:
