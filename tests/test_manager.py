@@ -684,3 +684,24 @@ def test_restore_refuses_ranks_with_different_roots(tmp_path):
         assert o.value["error"] and "different roots" in o.value["error"]
         assert "root-1" in o.value["error"]
         assert o.value["w"] == [float(o.rank)] * 4
+
+
+def _save_other_shape(rank, world, base):
+    state = {"model": {"w": torch.zeros(4 if rank == 0 else 5), "b": torch.zeros(2)}, "step": 1}
+    try:
+        safeckpt.save(os.path.join(base, "ck"), state)
+    except safeckpt.RankMismatch as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_save_names_the_tensor_whose_layout_differs(tmp_path):
+    """Same entries, one tensor of another shape on rank 1: RankMismatch on every rank names
+    that tensor and both shapes, and nothing is written."""
+    out = dist_harness.run(_save_other_shape, 2, str(tmp_path), timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        assert o.value and "'model/w'" in o.value and "[4]" in o.value and "[5]" in o.value, o.value
+        assert "'model/b'" not in o.value
+    assert not (tmp_path / "ck").exists()
