@@ -189,8 +189,9 @@ class CheckpointManager:
         coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
         if self._saver is None:
-            job.agree()
-            return self._finish(job, coord)
+            with paused_gc():  # the caller waits for all of it (see _SaveJob.run)
+                job.agree()
+                return self._finish(job, coord)
         with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
             job.agree()
             job.snapshot(self._pool)
