@@ -705,3 +705,22 @@ def test_save_names_the_tensor_whose_layout_differs(tmp_path):
         assert o.value and "'model/w'" in o.value and "[4]" in o.value and "[5]" in o.value, o.value
         assert "'model/b'" not in o.value
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_manifest_changed_after_a_listing_is_read_again(tmp_path):
+    """Listings remember the manifests they validated (retention lists after every save); a
+    manifest rewritten afterwards, even with its old size and mtime, is read and judged again."""
+    root = tmp_path / "root"
+    with safeckpt.CheckpointManager(root, keep_last=None) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        mgr.save(2, {"w": torch.ones(4)})
+        assert [i.step for i in mgr.list()] == [1, 2]
+        man = root / "step-0000000002" / "manifest.json"
+        st = os.stat(man)
+        raw = man.read_bytes()
+        man.write_bytes(raw.replace(b'"step":2', b'"step":3'))  # same size, checksum now wrong
+        os.utime(man, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(man).st_size == st.st_size and os.stat(man).st_mtime_ns == st.st_mtime_ns
+        assert [i.step for i in mgr.list()] == [1]
+        man.write_bytes(raw)
+        assert [i.step for i in mgr.list()] == [1, 2]

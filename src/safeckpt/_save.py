@@ -36,6 +36,7 @@ import xxhash
 from torch import nn
 
 from . import __version__, _commit
+from ._catalog import remember_published
 from ._dist import Coordinator
 from ._manifest import (
     FORMAT,
@@ -401,6 +402,7 @@ class _SaveJob:
         manifest = self._build_manifest(files, written)
         _commit.commit(self.store, self.target, staging, encode_manifest(manifest),
                        overwrite=self.overwrite, files=files)
+        remember_published(self.store, self.target, manifest)
         return self._committed_info(manifest, files)
 
     def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
