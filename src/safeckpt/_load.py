@@ -122,8 +122,7 @@ class _LoadJob:
         self.trees: dict[str, Any] = {}
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
-        self.in_place: list[tuple[str, Any]] = []  # (key, box) of targets copied into in place
-        self.boxes: dict[str, Any] = {}  # the same, by key
+        self.boxes: dict[str, Any] = {}  # key -> local box of each target copied into in place
         self.my_share: set[int] | None = None  # chunk indices this rank verifies (None: all)
         self.verified_by_others: list[int] = []
 
@@ -210,9 +209,8 @@ class _LoadJob:
                 else:
                     matched[key] = have[key]
             self.targets[name] = matched
-        self.in_place = [(key, local_box(leaf.tensor)) for matched in self.targets.values()
-                         for key, leaf in matched.items()]
-        self.boxes = dict(self.in_place)
+        self.boxes = {key: local_box(leaf.tensor) for matched in self.targets.values()
+                      for key, leaf in matched.items()}
         if problems and self.strict:
             raise IncompatibleCheckpoint(
                 f"checkpoint {self.dir} does not fit the state (strict load):\n  "
@@ -224,7 +222,7 @@ class _LoadJob:
         if self.world_size == 1:
             return None
         cache = page_cache_id(self.dir) if self.reader.store.renames else None
-        return {"cache": cache, "need": self.reader.needed_ids(self.in_place)}
+        return {"cache": cache, "need": self.reader.needed_ids(list(self.boxes.items()))}
 
     def share_verification(self, plans: list[dict[str, Any] | None]) -> None:
         """Take this rank's share of the chunk verification (see _verify_split), and size the
@@ -251,7 +249,7 @@ class _LoadJob:
             else:
                 tensors = self.reader.new_many(list(tensor_keys(tree)))
                 self.loaded[name] = decode(tree, tensors.__getitem__)
-        self.reader.check_many(self.in_place, only=self.my_share)
+        self.reader.check_many(list(self.boxes.items()), only=self.my_share)
 
     def apply(self) -> None:
         """Hand stateful objects their state, then copy verified chunks into place.

@@ -72,6 +72,11 @@ def host_buffer_for(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
 
 
+def _overlaps(box: Box, c: dict[str, Any]) -> bool:
+    """Whether chunk ``c`` holds any part of ``box`` (a 0-dim box overlaps its one chunk)."""
+    return not box[0] or _intersect(box, [c["offsets"], c["sizes"]]) is not None
+
+
 def _intersect(a: Box, b: Box) -> tuple[list[int], list[int]] | None:
     lo, hi = [], []
     for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
@@ -99,6 +104,7 @@ class TensorReader:
         self._made: dict[str, torch.Tensor] = {}  # tied tensors already built by new()
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
         self.threads = read_threads()  # a load sets it once it knows the ranks on this machine
+        self._chunk_ids: list[tuple[str, int, int]] | None = None
 
     def _file(self, name: str) -> Any:
         if name not in self._files:
@@ -168,14 +174,14 @@ class TensorReader:
                 ident = (c["file"], c["start"], c["end"])
                 if ident in todo or ident in self._verified or c["end"] <= c["start"]:
                     continue
-                if _intersect(box, [c["offsets"], c["sizes"]]) is not None or not box[0]:
+                if _overlaps(box, c):
                     todo[ident] = (key, c)
         return todo
 
     def chunk_ids(self) -> list[tuple[str, int, int]]:
         """Every non-empty chunk of the checkpoint as (file, start, end), in one order every rank
         computes alike (so ranks can name chunks by index)."""
-        if not hasattr(self, "_chunk_ids"):
+        if self._chunk_ids is None:
             self._chunk_ids = sorted({(c["file"], c["start"], c["end"]) for rec in self.man["tensors"].values()
                                       for c in rec.get("chunks", ()) if c["end"] > c["start"]})
         return self._chunk_ids
@@ -191,9 +197,9 @@ class TensorReader:
         """Verify (once, in parallel) the checksum of every chunk that the (key, box) targets
         overlap, reading each such chunk whole. Loads call this for everything they will copy
         in place before copying anything, so a damaged checkpoint fails before the caller's
-        state is touched. ``only``:
-        verify just these chunk indices (the rest are another rank's share, see
-        ``_verify_split``; :meth:`trust` them once every rank's check succeeded)."""
+        state is touched. ``only``: verify just these chunk indices (the rest are another
+        rank's share, see ``_verify_split``; :meth:`trust` them once every rank's check
+        succeeded)."""
         todo = self._needed(targets)
         if only is not None:
             ids = self.chunk_ids()
@@ -212,11 +218,14 @@ class TensorReader:
     def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False,
                   boxes: dict[str, Box] | None = None) -> None:
         """:meth:`fill` for many (key, destination) pairs, in parallel (largest first, so the
-        threads finish together). ``boxes``: the destinations' local boxes by key, if known."""
-        files = {c["file"] for key, _ in targets for c in self._chunks(key)}
-        order = sorted(targets, key=lambda kt: -kt[1].numel() * kt[1].element_size())
+        threads finish together). ``boxes``: the destinations' local boxes by key, if known.
+        Only the files holding an overlapping chunk are opened (an FSDP2 rank reads its own)."""
         boxes = boxes or {}
-        self._parallel([(lambda k=k, t=t: self.fill(k, t, owned=owned, box=boxes.get(k))) for k, t in order], files)
+        jobs = [(k, t, boxes.get(k) or local_box(t)) for k, t in targets]
+        files = {c["file"] for k, _, box in jobs for c in self._chunks(k) if _overlaps(box, c)}
+        jobs.sort(key=lambda job: -job[1].numel() * job[1].element_size())
+        self._parallel([(lambda k=k, t=t, box=box: self.fill(k, t, owned=owned, box=box)) for k, t, box in jobs],
+                       files)
 
     def new_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """:meth:`new` for many keys (read in parallel; tied keys share one tensor)."""
