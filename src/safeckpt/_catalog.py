@@ -115,40 +115,32 @@ def _manifest_stamp(path: str) -> tuple | None:
     return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _cached_info(store: Storage, path: str) -> CheckpointInfo | None:
-    """The info of a local checkpoint whose manifest this process already read and validated,
-    if the file is still the same one (inode, size, mtime). Retention lists the root after every
-    save, and re-validating the manifest of every kept checkpoint cost ~80 ms each for 4,000
-    tensors; a committed manifest is never rewritten in place (an overwrite renames a new
-    directory in), so a changed file (even one rewritten with its old size and mtime: ctime
-    moves) means a new stamp and a fresh read."""
-    if not store.renames:
-        return None
-    stamp = _manifest_stamp(path)
-    return _INFOS.get(stamp) if stamp else None
-
-
-def _remember_info(store: Storage, path: str, before: tuple | None, info: CheckpointInfo) -> None:
-    if store.renames and before is not None and _manifest_stamp(path) == before:
-        if len(_INFOS) >= _INFOS_MAX:
-            _INFOS.pop(next(iter(_INFOS)))
-        _INFOS[before] = info
+def _remember(stamp: tuple, info: CheckpointInfo) -> None:
+    if len(_INFOS) >= _INFOS_MAX:
+        _INFOS.pop(next(iter(_INFOS)))
+    _INFOS[stamp] = info
 
 
 def remember_published(store: Storage, path: str, manifest: dict) -> None:
     """The coordinator just published ``manifest`` at ``path``: later scans in this process
     (retention right after the save) need not read it back."""
-    _remember_info(store, path, _manifest_stamp(path) if store.renames else None,
-                   CheckpointInfo.from_manifest(path, manifest))
+    stamp = _manifest_stamp(path) if store.renames else None
+    if stamp is not None:
+        _remember(stamp, CheckpointInfo.from_manifest(path, manifest))
 
 
 def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: bool, last: bool) -> list[Entry]:
-    """The entries for one directory (prefix): the checkpoint, and its stray objects."""
-    if step is not None:
-        cached = _cached_info(store, path)
-        if cached is not None:
-            return [Entry(name, path, "committed", step, cached)]
-    before = _manifest_stamp(path) if store.renames else None
+    """The entries for one directory (prefix): the checkpoint, and its stray objects.
+
+    A local checkpoint whose manifest this process already read and validated is not read
+    again while the file is the same one (inode, size, mtime, ctime). Retention lists the root
+    after every save, and re-validating the manifest of every kept checkpoint cost ~80 ms each
+    for 4,000 tensors. A committed manifest is never rewritten in place (an overwrite renames a
+    new directory in), so a changed file (even one rewritten with its old size and mtime:
+    ctime moves) has a new stamp and is read and judged again."""
+    stamp = _manifest_stamp(path) if store.renames and step is not None else None
+    if stamp in _INFOS:
+        return [Entry(name, path, "committed", step, _INFOS[stamp])]
     try:
         man = store.read_manifest(path)
     except CheckpointNotFound:  # no manifest: never written, or deleted while we looked
@@ -168,7 +160,8 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
     out = []
     if step is not None:
         info = CheckpointInfo.from_manifest(path, man)
-        _remember_info(store, path, before, info)
+        if stamp is not None and _manifest_stamp(path) == stamp:  # unchanged while we read it
+            _remember(stamp, info)
         out.append(Entry(name, path, "committed", step, info))
     if leftovers and not store.renames:
         stray = tuple(sorted(i.name for i in store.list(path) or () if TOKEN_FILE.match(i.name)
