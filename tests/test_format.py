@@ -67,6 +67,15 @@ def _assert_corrupt(path, *, names: str) -> safeckpt.VerifyReport:
     return report
 
 
+def _flip(file, pos: int, mask: int) -> None:
+    """XOR the byte at ``pos`` of ``file`` with ``mask`` (size unchanged: only checksums tell)."""
+    with open(file, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def _chunk(man: dict, key: str) -> dict:
     (chunk,) = man["tensors"][key]["chunks"]
     return chunk
@@ -91,12 +100,7 @@ def test_bit_flip_in_data_is_caught_by_checksums(ckpt):
     path, model = ckpt
     man = _manifest(path)
     c = _chunk(man, "model/0.weight")
-    pos = (c["start"] + c["end"]) // 2
-    with open(path / DATA, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
+    _flip(path / DATA, (c["start"] + c["end"]) // 2, 0x10)
     report = _assert_corrupt(path, names=DATA)
     assert any("checksum" in p for p in report.problems), report.problems
 
@@ -130,12 +134,7 @@ def test_bit_flip_in_state_read_into_fresh_tensors(tmp_path, where):
                and _manifest(path)["tensors"][k]["shape"][0] > 1)
     c = _chunk(_manifest(path), key)
     assert c["end"] - c["start"] > 2 * HASH_BUFFER
-    pos = c["start"] + 1 if where == "first" else c["end"] - 2
-    with open(path / DATA, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip(path / DATA, c["start"] + 1 if where == "first" else c["end"] - 2, 0x01)
     target = nn.Linear(1024, model.out_features)
     target_opt = torch.optim.Adam(target.parameters())
     target(torch.ones(2, 1024)).sum().backward()
@@ -356,11 +355,7 @@ def test_device_destinations_are_read_through_a_host_buffer(tmp_path, monkeypatc
     man = _manifest(path)
     key = next(k for k in man["tensors"] if k.startswith("opt/") and man["tensors"][k]["shape"] == [64, 32])
     c = _chunk(man, key)
-    with open(path / DATA, "r+b") as f:
-        f.seek(c["start"] + 3)
-        b = f.read(1)
-        f.seek(c["start"] + 3)
-        f.write(bytes([b[0] ^ 0x08]))
+    _flip(path / DATA, c["start"] + 3, 0x08)
     other = _model(2)
     with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
         safeckpt.load(path, {"model": other, "opt": torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)})
