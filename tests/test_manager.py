@@ -252,6 +252,8 @@ def _resume_after_crash(rank, world, root):
     res["restored"] = mgr.restore(st)
     res["restored_state"] = state_step(st)
     res["hidden_before"] = hidden(root)
+    # every rank looked before rank 0's save sweeps the leftover (else a slower rank may miss it)
+    torch.distributed.barrier()
     info = mgr.save(2, make_state(2))  # the very step whose save was killed
     res["saved"] = info.step
     res["hidden_after"] = hidden(root)
