@@ -21,6 +21,7 @@ from torch import nn
 import safeckpt
 from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
 from tests import dist_harness
+from tests.manifest_checks import assert_canonical
 
 DATA = "rank-00000.safetensors"
 
@@ -359,3 +360,34 @@ def test_device_destinations_are_read_through_a_host_buffer(tmp_path, monkeypatc
     other = _model(2)
     with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
         safeckpt.load(path, {"model": other, "opt": torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)})
+
+
+def test_manifest_is_canonical_and_follows_each_save(tmp_path):
+    """The save path assembles manifest.json from JSON pieces cached per plan: the bytes must
+    be the canonical encoding of their content, and a repeated save of the same layout must
+    carry that save's checksums and values (not the cached ones)."""
+    state = {f"t{i}": torch.randn(8, 4) for i in range(5)}
+    state["é"] = torch.zeros(3, dtype=torch.bfloat16)  # non-ASCII key: escaped like json.dumps
+    state["empty"] = torch.zeros(0, 4)  # a zero-length chunk
+    state["tied"] = state["t1"]  # an alias record
+    state["model"] = nn.Linear(3, 2)
+    seen = set()
+    for step in range(3):
+        with torch.no_grad():
+            state["t0"].fill_(float(step))
+        state["step"] = step
+        path = tmp_path / f"s{step}"
+        safeckpt.save(path, state, metadata={"note": "ü" * step}, step=step, metrics={"loss": 1.0 / (step + 1)})
+        man = assert_canonical(str(path))
+        assert man["step"] == step and man["metadata"] == {"note": "ü" * step}
+        assert man["objects"]["step"]["tree"] == step
+        (empty,) = man["tensors"]["empty"]["chunks"]
+        assert empty["start"] == empty["end"] and man["tensors"]["tied"]["alias_of"] == "t1"
+        seen.add(man["tensors"]["t0"]["chunks"][0]["xxh3_64"])
+        back = {k: (torch.full_like(v, -1.0) if isinstance(v, torch.Tensor) else v) for k, v in state.items()
+                if k != "model"}
+        back["model"], back["step"] = nn.Linear(3, 2), None
+        safeckpt.load(path, back)
+        assert back["step"] == step and torch.equal(back["t0"], state["t0"])
+        assert torch.equal(back["model"].weight, state["model"].weight)
+    assert len(seen) == 3  # t0 changed every save: three different checksums

@@ -28,6 +28,7 @@ from torch import nn
 
 import safeckpt
 from tests import dist_harness
+from tests.manifest_checks import assert_canonical
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -264,7 +265,7 @@ def test_fsdp2_reshard_2_4_2_1_and_plain(tmp_path):
     assert safeckpt.verify(ck2).ok
     flat2 = safeckpt.read_state_dict(ck2)
     assert_same(by_name(flat2, plain), v2[0]["saved"], "read_state_dict of the FSDP2 checkpoint")
-    man = json.load(open(os.path.join(ck2, "manifest.json")))
+    man = assert_canonical(ck2)  # chunks of one tensor from two ranks, in (rank, offsets) order
     rec = man["tensors"]["model/0.weight"]
     assert rec["scope"] == "sharded" and rec["placement"]["placements"] == ["S(0)"]
     assert sorted((c["file"], c["offsets"], c["sizes"]) for c in rec["chunks"]) == [
@@ -294,7 +295,7 @@ def test_fsdp2_reshard_2_4_2_1_and_plain(tmp_path):
     assert_same(by_name(safeckpt.read_state_dict(ck4), plain), v4[0]["saved"], "read_state_dict 4 ranks")
 
     hsdp = os.path.join(root, "hsdp")
-    man = json.load(open(os.path.join(hsdp, "manifest.json")))
+    man = assert_canonical(hsdp)
     assert man["tensors"]["model/0.weight"]["placement"]["placements"] == ["R", "S(0)"]
     writers = set()
     for key, rec in man["tensors"].items():

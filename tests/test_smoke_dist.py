@@ -5,6 +5,7 @@ from torch import nn
 
 import safeckpt
 from tests import dist_harness
+from tests.manifest_checks import assert_canonical
 
 
 def _save_load(rank, world, root):
@@ -34,3 +35,5 @@ def test_save_load_3_ranks(tmp_path):
     assert {o.value[1] for o in out} == {3}
     files = sorted(os.listdir(tmp_path / "ck"))
     assert files == ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors"]
+    man = assert_canonical(str(tmp_path / "ck"))  # chunks from 3 ranks, per-rank RNG records
+    assert [c["rank"] for c in man["tensors"]["rng/torch"]["chunks"]] == [0, 1, 2]

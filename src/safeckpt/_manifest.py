@@ -201,7 +201,12 @@ def encode_manifest(man: dict[str, Any]) -> bytes:
     ``man`` must hold only what JSON round-trips (dicts with string keys, lists, str, int,
     float, bool, None): the save path builds it so. A reader parses the file and checks the
     digest of the canonical form of what it parsed."""
-    canon = _canonical(man)
+    return seal_manifest(_canonical(man))
+
+
+def seal_manifest(canon: str) -> bytes:
+    """The bytes of ``manifest.json`` for the canonical JSON ``canon`` of a manifest without its
+    checksum field: ``canon`` with the checksum over it appended as the last field."""
     digest = xxhash.xxh3_128_hexdigest(canon.encode())
     raw = (canon[:-1] + f',"{CHECKSUM_FIELD}":"{digest}"}}').encode()
     if len(raw) > max_manifest_bytes():

@@ -38,12 +38,9 @@ from torch import nn
 from . import __version__, _commit
 from ._catalog import remember_published
 from ._dist import Coordinator
-from ._manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    CheckpointInfo,
-    encode_manifest,
-)
+from ._manifest import FORMAT, FORMAT_VERSION, CheckpointInfo
+from ._manifest_text import ManifestPieces
+from ._manifest_text import encode as encode_manifest_text
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
@@ -114,6 +111,7 @@ class _SaveJob:
         self.aliases: dict[str, str] = {}  # key -> the key whose bytes it shares (stored once)
         self.from_rank0: set[str] = set()  # replicated keys written by rank 0 alone, unchecked
         self.copies = PendingCopies()  # snapshot copies still running on a GPU
+        self.pieces = ManifestPieces()  # the plan's cached manifest JSON (set with the plan)
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -131,7 +129,7 @@ class _SaveJob:
     def _agree_and_plan(self) -> None:
         agreed = self.coord.run("agree", self._agree, hint="Nothing was written.")
         self._check_agreement(agreed)
-        self.items, self.records, self.tensor_table = self._planned_items()
+        self.items, self.records, self.tensor_table, self.pieces = self._planned_items()
 
     def _tensor_table(self) -> dict[str, dict[str, Any]]:
         """The manifest's tensor records without chunks (read-only once built: it is cached)."""
@@ -289,10 +287,11 @@ class _SaveJob:
             return None
         return _commit.begin(self.store, self.target, self.overwrite)
 
-    def _planned_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]], dict[str, Any]]:
-        """:meth:`_my_items` and the tensor table, from a cache keyed by the agreed layout: a
-        training loop saves the same layout every time, and for thousands of tensors planning
-        is a large part of the time an async save blocks."""
+    def _planned_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]], dict[str, Any],
+                                      ManifestPieces]:
+        """:meth:`_my_items`, the tensor table and the manifest's JSON pieces, from a cache
+        keyed by the agreed layout: a training loop saves the same layout every time, and for
+        thousands of tensors planning is a large part of the time an async save blocks."""
         sharded = any(leaf.scope == "sharded" for leaf in self.leaves.values())
         placements = json.dumps([self.boxes, [placement_of(leaf.tensor) for _, leaf in sorted(self.leaves.items())
                                               if leaf.scope == "sharded"]]) if sharded else ""
@@ -302,10 +301,10 @@ class _SaveJob:
             items, records = self._my_items()
             specs = [(name, rec["key"], _how(self.leaves[rec["key"]], rec))
                      for (name, _), rec in zip(items, records, strict=True)]
-            cached = (specs, records, self._tensor_table())
+            cached = (specs, records, self._tensor_table(), ManifestPieces())
             _PLANS.append((self.plan_key, cached))
             del _PLANS[:-8]
-        specs, records, table = cached
+        specs, records, table, pieces = cached
         items = []
         leaves = self.leaves
         for name, key, how in specs:
@@ -313,7 +312,7 @@ class _SaveJob:
             if how is not None:
                 t = t.to_local() if how == "local" else t.narrow(0, *how)
             items.append((name, t))
-        return items, records, table
+        return items, records, table, pieces
 
     def _my_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
         """What this rank writes: (name in file, tensor) plus a manifest record for each."""
@@ -377,21 +376,15 @@ class _SaveJob:
 
     def _report(self, fname: str, written: Any) -> dict[str, Any]:
         """What this rank tells the coordinator about the file it wrote: each chunk as [tensor
-        key, its manifest record], built once here (the coordinator files it without copying)."""
+        key, sort order, its manifest JSON] (the coordinator joins them without parsing)."""
         by_name = {c.name: c for c in written.chunks}
-        chunks = []
-        for rec in self.records:  # the cached plan's records: read, never changed
-            c = by_name[rec["name"]]
-            ch = dict(rec)
-            key = ch.pop("key")
-            del ch["name"]
-            ch["file"], ch["start"], ch["end"], ch["xxh3_64"] = fname, c.start, c.end, c.xxh3_64
-            chunks.append([key, ch])
+        mine = [by_name[rec["name"]] for rec in self.records]  # the cached plan's, never changed
         return {
             "file": fname,
             "size": written.size,
             "xxh3_128": written.xxh3_128,
-            "chunks": chunks,
+            "chunks": self.pieces.chunk_report(self.records, fname, [(c.start, c.end) for c in mine],
+                                               [c.xxh3_64 for c in mine]),
             "objects": {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects},
         }
 
@@ -399,11 +392,12 @@ class _SaveJob:
         if not self.coord.is_coordinator:
             return None
         files = _commit.check_written(self.store, staging, written)
-        manifest = self._build_manifest(files, written)
-        _commit.commit(self.store, self.target, staging, encode_manifest(manifest),
-                       overwrite=self.overwrite, files=files)
-        remember_published(self.store, self.target, manifest)
-        return self._committed_info(manifest, files)
+        head, objects = self._manifest_head(files, written)
+        raw = encode_manifest_text(head, self.pieces.objects_json(objects),
+                                   self.pieces.tensors_json(self.tensor_table, [w["chunks"] for w in written]))
+        _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files)
+        remember_published(self.store, self.target, head)
+        return self._committed_info(head, files)
 
     def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
         """What every rank learns about the checkpoint just published."""
@@ -415,14 +409,9 @@ class _SaveJob:
             "nbytes": sum(f["size"] for f in files.values()),
         }
 
-    def _build_manifest(self, files: dict[str, Any], written: list[dict[str, Any]]) -> dict[str, Any]:
-        tensors: dict[str, Any] = {k: {**rec, "chunks": []} for k, rec in self.tensor_table.items()}
-        for w in written:
-            for key, ch in w["chunks"]:
-                tensors[key]["chunks"].append(ch)
-        for rec in tensors.values():
-            if len(rec["chunks"]) > 1:
-                rec["chunks"].sort(key=lambda c: (c.get("rank", 0), c["offsets"]))
+    def _manifest_head(self, files: dict[str, Any], written: list[dict[str, Any]]) -> tuple[dict[str, Any], dict]:
+        """The manifest's top-level fields before ``objects`` and ``tensors`` (in file order),
+        and its ``objects``; the tensor records come from the plan's pieces."""
         objects: dict[str, Any] = {}
         for name, obj in written[0]["objects"].items():
             others = {
@@ -444,10 +433,8 @@ class _SaveJob:
             "metadata": self.metadata,
             "metrics": self.metrics,
             "files": files,
-            "objects": objects,
-            "tensors": tensors,
         }
-        return manifest
+        return manifest, objects
 
 
 @contextlib.contextmanager
