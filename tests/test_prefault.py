@@ -1,0 +1,111 @@
+"""Pages of a load's destination tensors are faulted in ahead of the copy, changing nothing."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+import time
+
+import pytest
+import torch
+
+import safeckpt
+from safeckpt import _prefault
+from safeckpt._prefault import Prefault, page_ranges
+
+PAGE = mmap.PAGESIZE
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of the pages holding ``t`` are in memory (mincore)."""
+    (start, end), = page_ranges([t])
+    n = (end - start) // PAGE
+    vec = ctypes.create_string_buffer(n)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    assert libc.mincore(start, end - start, vec) == 0
+    return sum(b & 1 for b in vec.raw)
+
+
+def _untouched(nbytes: int) -> torch.Tensor:
+    """A tensor whose pages were never touched: large allocations are fresh anonymous maps."""
+    t = torch.empty(nbytes // 4, dtype=torch.float32)
+    if _resident_pages(t) > 2:
+        pytest.skip("the allocator handed out memory that was touched before")
+    return t
+
+
+def test_page_ranges_are_aligned_and_merged():
+    base = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    a, b = base[10:100], base[50 : PAGE + 5]  # overlapping views of one buffer
+    c = torch.zeros(64, 64).t()  # strided: the bytes it can reach
+    ranges = page_ranges([a, b, c, torch.zeros(0)])
+    assert ranges == sorted(ranges)
+    for (start, end), nxt in zip(ranges, ranges[1:] + [None], strict=True):
+        assert start % PAGE == 0 and end % PAGE == 0 and end > start
+        assert nxt is None or nxt[0] > end  # merged: no two ranges overlap or touch
+    lo, hi = base.data_ptr() + 10, base.data_ptr() + PAGE + 5
+    assert any(s <= lo and hi <= e for s, e in ranges)  # a and b in one range
+    assert any(s <= c.data_ptr() and c.data_ptr() + 64 * 64 * 4 <= e for s, e in ranges)
+
+
+@linux_only
+def test_prefault_populates_untouched_pages_and_keeps_contents():
+    t = _untouched(48 << 20)
+    t[: PAGE // 4].fill_(7.0)  # the first page written, the rest never touched
+    pf = Prefault([t])
+    assert pf.thread is not None, "a 48 MiB untouched tensor should be prefaulted"
+    pf.thread.join()
+    assert _resident_pages(t) == t.numel() * 4 // PAGE + (1 if t.data_ptr() % PAGE else 0)
+    assert torch.equal(t[: PAGE // 4], torch.full((PAGE // 4,), 7.0))
+    assert not t[PAGE // 4 :].any()  # untouched pages read as zeros, as before
+
+
+@linux_only
+def test_resident_and_small_targets_start_no_thread():
+    assert Prefault([torch.ones(12 << 20)]).thread is None  # 48 MiB, every page written
+    assert Prefault([torch.empty(1 << 20)]).thread is None  # 4 MiB: below MIN_BYTES
+
+
+@linux_only
+def test_stop_ends_the_thread_early(monkeypatch):
+    calls = []
+    real = _prefault._get_libc()
+    if not real:
+        pytest.skip("no madvise here")
+
+    def slow_madvise(at, n, advice):
+        calls.append(n)
+        time.sleep(0.02)  # 32 calls would take 0.64 s
+        return 0
+
+    monkeypatch.setattr(_prefault, "_libc", (slow_madvise, real[1]))
+    t = _untouched(256 << 20)
+    pf = Prefault([t])
+    pf.stop()
+    assert pf.thread is None and len(calls) <= 3  # of 32 pieces
+
+
+@linux_only
+def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path):
+    torch.manual_seed(0)
+    state = {"big": torch.randn(10 << 20), "small": torch.randn(100)}  # 40 MiB
+    safeckpt.save(tmp_path / "ck", state)
+    fresh = {"big": _untouched(40 << 20), "small": torch.empty(100)}
+    safeckpt.load(tmp_path / "ck", fresh)
+    assert torch.equal(fresh["big"], state["big"]) and torch.equal(fresh["small"], state["small"])
+
+    # a flipped byte late in the data file: the load fails; untouched targets stay zeros
+    data = tmp_path / "ck" / "rank-00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1000] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = {"big": _untouched(40 << 20), "small": torch.full((100,), 3.0)}
+    target["big"][:8].fill_(5.0)
+    with pytest.raises(safeckpt.CorruptCheckpoint):
+        safeckpt.load(tmp_path / "ck", target)
+    assert torch.equal(target["big"][:8], torch.full((8,), 5.0)) and not target["big"][8:].any()
+    assert torch.equal(target["small"], torch.full((100,), 3.0))
