@@ -355,3 +355,79 @@ def test_forged_object_without_tree_and_odd_param_ids_fail_cleanly(ckpt):
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match="optim"):
         safeckpt.load(other, target)
     assert _same(before, _snapshot(target))
+
+
+def _rich_manifest(tmp_path) -> dict:
+    """A manifest with every kind of record: single-chunk tensors (0-d optimizer steps, an empty
+    tensor, bf16), tied weights (aliases), per-rank state, nested trees, and (edited in) a
+    tensor of three row chunks."""
+    tied = nn.Module()
+    tied.a = nn.Linear(3, 3, bias=False)
+    tied.b = nn.Linear(3, 3, bias=False)
+    tied.b.weight = tied.a.weight
+    state = {**_state(0), "tied": tied, "rng": safeckpt.RNGState(),
+             "tree": {"x": [torch.empty(0, 3), 2.5], "y": torch.ones(2, dtype=torch.bfloat16)},
+             "big": torch.arange(12.0).view(6, 2)}
+    safeckpt.save(tmp_path / "rich", state)
+    man = _manifest(tmp_path / "rich")
+    rec = man["tensors"]["big"]
+    (c,) = rec["chunks"]
+    rec["chunks"] = [{**c, "start": c["start"] + 16 * i, "end": c["start"] + 16 * (i + 1),
+                      "offsets": [2 * i, 0], "sizes": [2, 2]} for i in range(3)]
+    return man
+
+
+def _outcome(man: dict) -> str:
+    from safeckpt._manifest import dtype_size
+    from safeckpt._validate import check_manifest
+
+    try:
+        check_manifest(man, "M", "ckpt", file_ok=lambda n: None, dtype_size=dtype_size)
+    except safeckpt.CorruptCheckpoint as exc:
+        return f"error: {exc}"
+    return "ok"
+
+
+def test_validation_fast_paths_agree_with_the_full_checks(tmp_path, monkeypatch):
+    """The per-tensor and per-object checks have fast paths (no message built per field, for
+    manifests of thousands of tensors). On any manifest, valid or edited, validation must give
+    the same outcome and message without them."""
+    import copy
+
+    from safeckpt import _validate
+    from tests.fuzz_json import get, value_edits, walk
+
+    base = _rich_manifest(tmp_path)
+
+    def edited(path):  # a copy of base where the record ``path`` leads into may be edited
+        part = path[0]
+        return {**base, part: {**base[part], path[1]: copy.deepcopy(base[part][path[1]])}}
+
+    extra = {"rank": 0, "rank_trees": {"1": {"@tensor": "big"}}, "alias_of": "big", "xxh3_64": "0" * 16}
+    mutants = [base, {**base, "world_size": 2}, {**base, "world_size": 3}]  # per-rank copies missing
+    for part in ("tensors", "objects", "files"):
+        mutants += [{**base, part: new} for _, new in value_edits(base[part])]
+        for path, value in walk(base[part], (part,)):
+            if len(path) < 2 or any(isinstance(p, int) and p > 3 for p in path) or (part == "objects" and len(path) > 4):
+                continue  # deep in object trees are plain values (the fast path sees objects' tops)
+            for _, new in value_edits(value):
+                m = edited(path)
+                get(m, path[:-1])[path[-1]] = new
+                mutants.append(m)
+            if isinstance(path[-1], str) and len(path) > 2:  # a key of a record: drop it
+                m = edited(path)
+                del get(m, path[:-1])[path[-1]]
+                mutants.append(m)
+            if isinstance(value, dict):  # keys a record or chunk may have, added where it has not
+                for k, v in extra.items():
+                    if k not in value:
+                        m = edited(path)
+                        get(m, path)[k] = v
+                        mutants.append(m)
+    fast = [_outcome(m) for m in mutants]
+    monkeypatch.setattr(_validate, "_tensor_ok", lambda *a: False)
+    monkeypatch.setattr(_validate, "_single_ref", lambda obj: None)
+    full = [_outcome(m) for m in mutants]
+    assert fast[0] == "ok" and sum(o != "ok" for o in full) > 500, len(mutants)
+    bad = [(i, f, s) for i, (f, s) in enumerate(zip(fast, full, strict=True)) if f != s]
+    assert not bad, bad[:5]

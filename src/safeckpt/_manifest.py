@@ -90,9 +90,13 @@ def torch_dtype(code: str) -> torch.dtype:
         raise CorruptCheckpoint(f"unknown dtype {code!r:.40} in manifest") from None
 
 
+_ELEMENT_SIZE = {code: dtype.itemsize for dtype, code in DTYPE_TO_ST.items()}
+
+
 def dtype_size(code: str) -> int:
     """Bytes per element of a safetensors dtype code (CorruptCheckpoint if unknown)."""
-    return torch.empty((), dtype=torch_dtype(code)).element_size()
+    size = _ELEMENT_SIZE.get(code) if isinstance(code, str) else None
+    return size if size is not None else torch_dtype(code).itemsize
 
 
 def rank_file(rank: int) -> str:
