@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import safeckpt
+import safeckpt._load
 from safeckpt import _prefault
 from safeckpt._prefault import Prefault, page_ranges
 
@@ -90,12 +91,21 @@ def test_stop_ends_the_thread_early(monkeypatch):
 
 
 @linux_only
-def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path):
+def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path, monkeypatch):
+    started = []
+
+    class Recording(Prefault):
+        def __init__(self, tensors):
+            super().__init__(tensors)
+            started.append(self.thread is not None)
+
+    monkeypatch.setattr(safeckpt._load, "Prefault", Recording)
     torch.manual_seed(0)
     state = {"big": torch.randn(10 << 20), "small": torch.randn(100)}  # 40 MiB
     safeckpt.save(tmp_path / "ck", state)
     fresh = {"big": _untouched(40 << 20), "small": torch.empty(100)}
     safeckpt.load(tmp_path / "ck", fresh)
+    assert started == [True], "the load should prefault its 40 MiB of untouched targets"
     assert torch.equal(fresh["big"], state["big"]) and torch.equal(fresh["small"], state["small"])
 
     # a flipped byte late in the data file: the load fails; untouched targets stay zeros
@@ -107,5 +117,6 @@ def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path):
     target["big"][:8].fill_(5.0)
     with pytest.raises(safeckpt.CorruptCheckpoint):
         safeckpt.load(tmp_path / "ck", target)
+    assert started == [True, True]
     assert torch.equal(target["big"][:8], torch.full((8,), 5.0)) and not target["big"][8:].any()
     assert torch.equal(target["small"], torch.full((100,), 3.0))

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ._tree import is_dtensor
+
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 MIN_BYTES = 16 << 20  # below this the thread costs more than the faults
 PIECE = 8 << 20  # bytes per call: stop() waits for at most one call (a few ms)
@@ -59,10 +61,13 @@ def _resident(mincore: object, start: int, end: int) -> bool:
 
 
 def page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-    """The page-aligned [start, end) address ranges of the CPU tensors' bytes, merged."""
+    """The page-aligned [start, end) address ranges of the CPU tensors' bytes (a DTensor's
+    local shard), merged."""
     page = mmap.PAGESIZE
     spans = []
     for t in tensors:
+        if is_dtensor(t):
+            t = t.to_local()
         if t.device.type != "cpu" or not t.numel() or t.is_pinned():
             continue  # pinned memory is resident already
         start = t.data_ptr()
