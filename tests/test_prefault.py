@@ -40,17 +40,18 @@ def _untouched(nbytes: int) -> torch.Tensor:
 
 
 def test_page_ranges_are_aligned_and_merged():
-    base = torch.zeros(4 * PAGE, dtype=torch.uint8)
-    a, b = base[10:100], base[50 : PAGE + 5]  # overlapping views of one buffer
-    c = torch.zeros(64, 64).t()  # strided: the bytes it can reach
-    ranges = page_ranges([a, b, c, torch.zeros(0)])
+    base = torch.zeros(_prefault.MIN_TENSOR + 4 * PAGE, dtype=torch.uint8)
+    a, b = base[10:-100], base[50 : -PAGE - 5]  # overlapping views of one buffer
+    c = torch.zeros(512, 512).t()  # strided: the bytes it can reach
+    ranges = page_ranges([a, b, c, torch.zeros(0), torch.zeros(1000)])  # the last two: too small
     assert ranges == sorted(ranges)
     for (start, end), nxt in zip(ranges, ranges[1:] + [None], strict=True):
         assert start % PAGE == 0 and end % PAGE == 0 and end > start
         assert nxt is None or nxt[0] > end  # merged: no two ranges overlap or touch
-    lo, hi = base.data_ptr() + 10, base.data_ptr() + PAGE + 5
+    lo, hi = base.data_ptr() + 10, base.data_ptr() + base.numel() - 100
     assert any(s <= lo and hi <= e for s, e in ranges)  # a and b in one range
-    assert any(s <= c.data_ptr() and c.data_ptr() + 64 * 64 * 4 <= e for s, e in ranges)
+    assert any(s <= c.data_ptr() and c.data_ptr() + 512 * 512 * 4 <= e for s, e in ranges)
+    assert len(ranges) <= 2
 
 
 def _populate_supported() -> bool:
