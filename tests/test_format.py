@@ -376,6 +376,7 @@ def test_manifest_is_canonical_and_follows_each_save(tmp_path):
         with torch.no_grad():
             state["t0"].fill_(float(step))
         state["step"] = step
+        state["flag"] = [True, 1, 1.0][step]  # equal under ==, different JSON: nothing cached by ==
         path = tmp_path / f"s{step}"
         safeckpt.save(path, state, metadata={"note": "ü" * step}, step=step, metrics={"loss": 1.0 / (step + 1)})
         man = assert_canonical(str(path))
@@ -386,8 +387,9 @@ def test_manifest_is_canonical_and_follows_each_save(tmp_path):
         seen.add(man["tensors"]["t0"]["chunks"][0]["xxh3_64"])
         back = {k: (torch.full_like(v, -1.0) if isinstance(v, torch.Tensor) else v) for k, v in state.items()
                 if k != "model"}
-        back["model"], back["step"] = nn.Linear(3, 2), None
+        back["model"], back["step"], back["flag"] = nn.Linear(3, 2), None, None
         safeckpt.load(path, back)
         assert back["step"] == step and torch.equal(back["t0"], state["t0"])
+        assert back["flag"] == state["flag"] and type(back["flag"]) is type(state["flag"])
         assert torch.equal(back["model"].weight, state["model"].weight)
     assert len(seen) == 3  # t0 changed every save: three different checksums

@@ -28,60 +28,57 @@ def dumps(value: Any) -> str:
 
 class ManifestPieces:
     """The JSON pieces of one save plan, on every rank (each renders its own chunks) and on the
-    coordinator (tensor records, objects). Not thread-safe: one save of a plan at a time."""
+    coordinator (tensor records). Each cache is one tuple, read once and replaced
+    whole, so two saves of the same plan in two threads (an async save in the background, a
+    plain ``save`` in the loop) never pair one save's key with the other's pieces."""
 
     def __init__(self) -> None:
-        self._chunk_stamp: tuple | None = None  # (file, [(start, end), ...]) the fragments are for
-        self._chunk_heads: list[list[Any]] = []  # [key, sort order, JSON up to the checksum]
-        self._table: Mapping[str, Any] | None = None
-        self._record_heads: list[str] = []  # '"key":{...,"chunks":[' per tensor, in table order
-        self._objects: Any = None
-        self._objects_json = ""
+        # ((file, [(start, end), ...]), [[key, sort order, JSON up to the checksum], ...])
+        self._chunks: tuple[Any, list[list[Any]]] = (None, [])
+        # (table, ['"key":{...,"chunks":[' per tensor, in table order])
+        self._records: tuple[Any, list[str]] = (None, [])
 
     def chunk_report(self, records: Sequence[Mapping[str, Any]], fname: str,
                      spans: Sequence[tuple[int, int]], digests: Sequence[str]) -> list[list[Any]]:
         """This rank's chunks as [tensor key, sort order, chunk JSON]: record i of ``records``
         (the plan's: key, name, offsets, sizes, maybe rank) was written to ``fname`` at
         ``spans[i]`` with checksum ``digests[i]``."""
-        stamp = (fname, spans)
-        if stamp != self._chunk_stamp:
+        stamp = (fname, list(spans))
+        cached, heads = self._chunks
+        if stamp != cached:
             heads = []
             for rec, (start, end) in zip(records, spans, strict=True):
                 ch = {k: v for k, v in rec.items() if k not in ("key", "name")}
                 ch["file"], ch["start"], ch["end"] = fname, start, end
                 head = dumps(ch)[:-1] + ',"xxh3_64":"'
                 heads.append([rec["key"], (rec.get("rank", 0), rec["offsets"]), head])
-            self._chunk_stamp, self._chunk_heads = (fname, list(spans)), heads
-        return [[key, order, f'{head}{digest}"}}']
-                for (key, order, head), digest in zip(self._chunk_heads, digests, strict=True)]
+            self._chunks = (stamp, heads)
+        return [[key, order, f'{head}{digest}"}}'] for (key, order, head), digest in zip(heads, digests, strict=True)]
 
     def tensors_json(self, table: Mapping[str, Mapping[str, Any]], reports: Sequence[Sequence[list[Any]]]) -> str:
         """The manifest's ``tensors`` object: ``table`` (key -> record without chunks, in
         manifest order) with every rank's chunks from ``reports``, each tensor's sorted by
         (rank, offsets)."""
-        if table is not self._table:
-            self._record_heads = [f"{dumps(k)}:{dumps(dict(rec))[:-1]},\"chunks\":[" for k, rec in table.items()]
-            self._table = table
+        cached, record_heads = self._records
+        if table is not cached:
+            record_heads = [f"{dumps(k)}:{dumps(dict(rec))[:-1]},\"chunks\":[" for k, rec in table.items()]
+            self._records = (table, record_heads)
         chunks: dict[str, list[Any]] = {k: [] for k in table}
         for report in reports:
             for key, order, text in report:
                 chunks[key].append((order, text))
         parts = []
-        for head, found in zip(self._record_heads, chunks.values(), strict=True):
+        for head, found in zip(record_heads, chunks.values(), strict=True):
             if len(found) > 1:
                 found.sort(key=lambda c: c[0])
             parts.append(head + ",".join([text for _, text in found]) + "]}")
         return "{" + ",".join(parts) + "}"
 
-    def objects_json(self, objects: Mapping[str, Any]) -> str:
-        """The manifest's ``objects``, re-rendered only when they differ from the last save's."""
-        if objects != self._objects:
-            self._objects, self._objects_json = objects, dumps(objects)
-        return self._objects_json
 
-
-def encode(head: Mapping[str, Any], objects_json: str, tensors_json: str) -> bytes:
+def encode(head: Mapping[str, Any], objects: Mapping[str, Any], tensors_json: str) -> bytes:
     """The bytes of ``manifest.json``: ``head`` (every top-level field but objects and tensors,
-    in order) followed by ``objects`` and ``tensors``, sealed with the manifest checksum."""
+    in order, at least one) followed by ``objects`` and ``tensors``, sealed with the manifest
+    checksum. The objects are rendered every time: they hold the state's plain values, and a
+    cache compared by ``==`` would take ``1`` for ``True`` or ``1.0``."""
     body = dumps(dict(head))
-    return seal_manifest(f'{body[:-1]}{"," if head else ""}"objects":{objects_json},"tensors":{tensors_json}}}')
+    return seal_manifest(f'{body[:-1]},"objects":{dumps(objects)},"tensors":{tensors_json}}}')

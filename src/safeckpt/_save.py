@@ -393,7 +393,7 @@ class _SaveJob:
             return None
         files = _commit.check_written(self.store, staging, written)
         head, objects = self._manifest_head(files, written)
-        raw = encode_manifest_text(head, self.pieces.objects_json(objects),
+        raw = encode_manifest_text(head, objects,
                                    self.pieces.tensors_json(self.tensor_table, [w["chunks"] for w in written]))
         _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files)
         remember_published(self.store, self.target, head)
