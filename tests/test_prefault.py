@@ -31,11 +31,16 @@ def _resident_pages(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec.raw)
 
 
+_MAPS: list[mmap.mmap] = []  # kept open for the tensors that view them
+
+
 def _untouched(nbytes: int) -> torch.Tensor:
-    """A tensor whose pages were never touched: large allocations are fresh anonymous maps."""
-    t = torch.empty(nbytes // 4, dtype=torch.float32)
-    if _resident_pages(t) > 2:
-        pytest.skip("the allocator handed out memory that was touched before")
+    """A float32 tensor over a new anonymous map: its pages were never touched (the allocator
+    may hand out reused memory, so torch.empty is not enough)."""
+    m = mmap.mmap(-1, nbytes)
+    _MAPS.append(m)
+    t = torch.frombuffer(m, dtype=torch.float32)
+    assert _resident_pages(t) == 0
     return t
 
 
