@@ -93,7 +93,7 @@ def _storage_end(t: torch.Tensor) -> int:
 
 
 class Prefault:
-    """Starts faulting in ``tensors``' pages at once; :meth:`join` waits for it to end."""
+    """Starts faulting in ``tensors``' untouched pages at once; :meth:`stop` ends it."""
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         self.thread: threading.Thread | None = None
