@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from ._manifest import safe_file_path, torch_dtype
-from ._shardfile import _BOUNCE, HASH_BUFFER, header_problems
+from ._shardfile import _BOUNCE, HASH_BUFFER, IOV_MAX, header_problems
 from ._storage import Storage, storage_for
 from ._tree import is_dtensor
 from .errors import CorruptCheckpoint
@@ -32,7 +32,6 @@ READ_THREADS = 4  # at most this many reads and hashes in flight at once on loca
 # to HASH_BUFFER bytes and IOV_MAX chunks: one preadv (and one task) per run, not per chunk (a
 # state of 4,000 x 16 KiB spent most of its load in per-chunk futures and calls).
 SMALL_CHUNK = min(1 << 20, HASH_BUFFER)
-IOV_MAX = 1024  # buffers per preadv (Linux's limit)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -331,7 +330,7 @@ class TensorReader:
         ``t`` is a plain contiguous CPU tensor wanted whole, stored as one small non-empty
         chunk of a local file with exactly its bytes."""
         rec = self.record(key)
-        chunks = self._chunks(key, rec) if rec.get("scope") == "per_rank" else rec["chunks"]
+        chunks = self._chunks(key, rec)
         if len(chunks) != 1:
             return None
         c = chunks[0]

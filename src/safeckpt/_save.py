@@ -463,7 +463,7 @@ def _how(leaf: Leaf, rec: dict[str, Any]) -> Any:
     return None
 
 
-_PLANS: list[tuple[tuple, tuple]] = []  # (plan key, (item specs, records, table)), newest last
+_PLANS: list[tuple[tuple, tuple]] = []  # (plan key, (item specs, records, table, JSON pieces)), newest last
 
 
 def _cached_plan(key: tuple) -> tuple[tuple, tuple | None]:

@@ -103,7 +103,7 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             bufs[0] = bufs[0][n:]
 
 
-IOV_MAX = 1024  # os.writev refuses more buffers (EINVAL)
+IOV_MAX = 1024  # os.writev and os.preadv refuse more buffers (EINVAL)
 
 
 class _BatchedWriter:

@@ -209,11 +209,11 @@ def encode_object(name: str, value: Any, leaves: list[Leaf],
     ``param_names`` (from :func:`param_names` of the whole state) lets optimizers over DTensor
     parameters be keyed by parameter name instead of position.
     """
-    per_rank = bool(getattr(value, PER_RANK_ATTR, False))
     if isinstance(value, torch.Tensor):  # a flat state of tensors: one entry per tensor, kept short
         key = escape_key(name)
-        leaves.append(_leaf(value, key, per_rank))
+        leaves.append(_leaf(value, key, False))  # _leaf reads the tensor's own PerRank mark
         return EncodedObject(name, "tensor", {"@tensor": key})
+    per_rank = bool(getattr(value, PER_RANK_ATTR, False))
     kind = kind_of(value)
     tree = _encode(state_dict_of(kind, value, param_names), escape_key(name), leaves, per_rank)
     return EncodedObject(name, kind, tree)
