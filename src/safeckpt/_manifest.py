@@ -211,8 +211,8 @@ def encode_manifest(man: dict[str, Any]) -> bytes:
 def seal_manifest(canon: str) -> bytes:
     """The bytes of ``manifest.json`` for the canonical JSON ``canon`` of a manifest without its
     checksum field: ``canon`` with the checksum over it appended as the last field."""
-    digest = xxhash.xxh3_128_hexdigest(canon.encode())
-    raw = (canon[:-1] + f',"{CHECKSUM_FIELD}":"{digest}"}}').encode()
+    body = canon.encode()
+    raw = body[:-1] + f',"{CHECKSUM_FIELD}":"{xxhash.xxh3_128_hexdigest(body)}"}}'.encode()
     if len(raw) > max_manifest_bytes():
         raise CheckpointError(
             f"the manifest of this checkpoint would have {len(raw)} bytes, more than readers "

@@ -47,7 +47,7 @@ from ._reader import placement_of
 from ._shardfile import tensor_bytes
 from ._staging import PendingCopies, copy_aside
 from ._storage import Storage, resolve, storage_for
-from ._tree import EncodedObject, Leaf, check_name, encode_object, escape_key, param_names
+from ._tree import EncodedObject, Leaf, encode_state, escape_key, param_names
 from .errors import CheckpointError, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
@@ -191,7 +191,7 @@ class _SaveJob:
                 ) from None
         leaves: list[Leaf] = []
         names = param_names(self.state)
-        self.objects = [encode_object(check_name(k), v, leaves, names) for k, v in self.state.items()]
+        self.objects = encode_state(self.state, leaves, names)
         self.leaves = {leaf.key: leaf for leaf in leaves}
         if len(self.leaves) != len(leaves):
             raise CheckpointError(f"two tensors map to the same key {_first_duplicate(leaves)!r}; rename one")
@@ -375,16 +375,13 @@ class _SaveJob:
         return self._report(fname, written)
 
     def _report(self, fname: str, written: Any) -> dict[str, Any]:
-        """What this rank tells the coordinator about the file it wrote: each chunk as [tensor
-        key, sort order, its manifest JSON] (the coordinator joins them without parsing)."""
-        by_name = {c.name: c for c in written.chunks}
-        mine = [by_name[rec["name"]] for rec in self.records]  # the cached plan's, never changed
+        """What this rank tells the coordinator about the file it wrote: its chunks as
+        ManifestPieces.chunk_report renders them (the coordinator joins them without parsing)."""
         return {
             "file": fname,
             "size": written.size,
             "xxh3_128": written.xxh3_128,
-            "chunks": self.pieces.chunk_report(self.records, fname, [(c.start, c.end) for c in mine],
-                                               [c.xxh3_64 for c in mine]),
+            "chunks": self.pieces.chunk_report(self.records, fname, written),
             "objects": {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects},
         }
 
@@ -412,14 +409,9 @@ class _SaveJob:
     def _manifest_head(self, files: dict[str, Any], written: list[dict[str, Any]]) -> tuple[dict[str, Any], dict]:
         """The manifest's top-level fields before ``objects`` and ``tensors`` (in file order),
         and its ``objects``; the tensor records come from the plan's pieces."""
-        objects: dict[str, Any] = {}
-        for name, obj in written[0]["objects"].items():
-            others = {
-                str(r): w["objects"][name]["tree"]
-                for r, w in enumerate(written[1:], start=1)
-                if w["objects"][name]["tree"] != obj["tree"]
-            }
-            objects[name] = {**obj, "rank_trees": others} if others else obj
+        objects: dict[str, Any] = written[0]["objects"]
+        if len(written) > 1:  # where other ranks' trees differ from rank 0's, they are kept too
+            objects = self._merged_objects(written)
         now = time.time()
         manifest = {
             "format": FORMAT,
@@ -435,6 +427,19 @@ class _SaveJob:
             "files": files,
         }
         return manifest, objects
+
+    @staticmethod
+    def _merged_objects(written: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0's objects, each with ``rank_trees`` holding the trees of the ranks whose trees differ."""
+        objects: dict[str, Any] = {}
+        for name, obj in written[0]["objects"].items():
+            others = {
+                str(r): w["objects"][name]["tree"]
+                for r, w in enumerate(written[1:], start=1)
+                if w["objects"][name]["tree"] != obj["tree"]
+            }
+            objects[name] = {**obj, "rank_trees": others} if others else obj
+        return objects
 
 
 @contextlib.contextmanager
@@ -524,6 +529,9 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
     identical views of one storage): each maps to the first such key in sorted order, whose
     bytes alone are written. Views that differ (another offset, shape or stride) are stored as
     separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
+    plain = [leaf.tensor.data_ptr() for leaf in leaves.values() if leaf.scope != "sharded"]
+    if len(set(plain)) == len(plain) and len(plain) == len(leaves):
+        return {}  # no two tensors start at one address (the common case, checked in C)
     first_at: dict[int, str] = {}  # address -> a key there
     shared: dict[int, list[str]] = {}  # address -> every key there, where there are several
     for k, leaf in leaves.items():

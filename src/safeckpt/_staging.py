@@ -37,6 +37,10 @@ class PendingCopies:
 def copy_aside(bufs: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> PendingCopies:
     """Copy every ``srcs[i]`` into the host tensor ``bufs[i]`` (same shape and dtype).
     CPU copies are done when this returns; CUDA copies when the result's ``wait`` returns."""
+    if not torch.cuda.is_initialized():  # no tensor can be on a GPU: skip sorting them
+        if bufs:
+            _copy_batched(list(bufs), list(srcs))
+        return PendingCopies()
     host_dsts, host_srcs = [], []
     by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for b, s in zip(bufs, srcs, strict=True):  # one pass, is_cuda (44 ns; device.type: 280 ns)

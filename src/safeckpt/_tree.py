@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._manifest import dtype_code
+from ._manifest import DTYPE_TO_ST, dtype_code
 from .errors import CheckpointError
 
 SEP = "/"
@@ -76,7 +76,7 @@ class Leaf:
         # Computed once: a save looks at each of these several times, and for states of
         # thousands of tensors torch attribute access is a large part of the time save() blocks.
         self.shape = list(tensor.shape)
-        self.dtype = dtype_code(tensor.dtype)  # safetensors code
+        self.dtype = DTYPE_TO_ST.get(tensor.dtype) or dtype_code(tensor.dtype)  # its safetensors code
         self.itemsize = tensor.element_size()
 
     def __repr__(self) -> str:
@@ -200,6 +200,24 @@ def check_name(name: Any) -> str:
             f"state keys must be non-empty strings without '/' or a leading '@', got {name!r}"
         )
     return name
+
+
+def encode_state(state: Mapping[Any, Any], leaves: list[Leaf],
+                 param_names: Mapping[int, str] | None = None) -> list[EncodedObject]:
+    """:func:`encode_object` of every entry of a save's ``state`` (names checked), appending
+    their tensors to ``leaves``. Entries that are plain tensors (no autograd, no PerRank mark:
+    a flat state of thousands) are encoded inline, without the calls per entry that were a
+    third of the time an async save of 4,000 tensors spent encoding."""
+    objects = []
+    for name, value in state.items():
+        if (type(value) is torch.Tensor and not value.requires_grad and type(name) is str and name
+                and SEP not in name and name[0] != "@" and not getattr(value, PER_RANK_ATTR, False)):
+            key = escape_key(name)
+            leaves.append(Leaf(key, value, "replicated"))
+            objects.append(EncodedObject(name, "tensor", {"@tensor": key}))
+        else:
+            objects.append(encode_object(check_name(name), value, leaves, param_names))
+    return objects
 
 
 def encode_object(name: str, value: Any, leaves: list[Leaf],
