@@ -186,3 +186,101 @@ def test_gc_is_paused_during_a_load_and_on_again_after(many):
     with pytest.raises(safeckpt.CorruptCheckpoint):
         safeckpt.load(many, _flat(300, 2))
     assert gc.isenabled()
+
+
+def test_unmappable_files_are_hashed_through_reads(tmp_path, monkeypatch):
+    # Some FUSE mounts refuse mmap: checksums are then computed from preadv reads, and a
+    # damaged chunk is still refused before anything is copied.
+    from safeckpt import _shardfile
+
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(300_000, generator=g), **{f"s{i}": torch.randn(50, generator=g) for i in range(20)}}
+    safeckpt.save(tmp_path / "ck", state)
+    tried = []
+    real_mmap = _shardfile.mmap.mmap
+
+    def refuse(fd, size, access=None, **kw):
+        if access == _shardfile.mmap.ACCESS_READ:
+            tried.append(size)
+            raise OSError(19, "No such device")
+        return real_mmap(fd, size, access=access, **kw)
+
+    monkeypatch.setattr(_shardfile.mmap, "mmap", refuse)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    safeckpt.load(tmp_path / "ck", target)
+    assert tried  # the mapping was refused, so the read path ran
+    for k, v in state.items():
+        assert torch.equal(target[k], v), k
+    for flip in (-5, 4096):  # a byte of the last small tensor, then of the big one
+        data = next(p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors")
+        raw = bytearray(data.read_bytes())
+        raw[flip] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        before = {k: v.clone() for k, v in target.items()}
+        with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
+            safeckpt.load(tmp_path / "ck", target)
+        for k, v in before.items():
+            assert torch.equal(target[k], v), k
+        raw[flip] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+
+
+def _mapped_rss(path: str) -> int | None:
+    """Resident bytes of this process's mappings of ``path`` (None: not mapped)."""
+    found, total = False, 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == path
+                found = found or inside
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total if found else None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc")
+def test_hashing_in_place_keeps_file_pages_out_of_resident_memory(tmp_path, monkeypatch):
+    # The checksum pass hashes through a mapping of the data file; hashed pages are unmapped
+    # again (every RELEASE_BYTES and at the end of each call), so the process's resident
+    # memory does not grow by the file.
+    from safeckpt import _shardfile
+
+    monkeypatch.setattr(_shardfile, "RELEASE_BYTES", 4 << 20)
+    state = {"big": torch.randn(48 << 20 >> 2), "small": torch.randn(1000)}  # 48 MiB
+    safeckpt.save(tmp_path / "ck", state)
+    during, after = [], []
+    real_update = _shardfile.xxhash.xxh3_64
+
+    class Spy:  # wraps the streaming hash to look at the mapping while it is being hashed
+        def __init__(self):
+            self.h = real_update()
+
+        def update(self, data):
+            self.h.update(data)
+            during.append(_mapped_rss(path))
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    real = _shardfile.MappedFile._hash_mapped
+
+    def watch(self, mm, spans, step, keep):
+        out = real(self, mm, spans, step, keep)
+        after.append(_mapped_rss(self.path))
+        return out
+
+    monkeypatch.setattr(_shardfile.xxhash, "xxh3_64", Spy)
+    monkeypatch.setattr(_shardfile.MappedFile, "_hash_mapped", watch)
+    path = str(next(p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors").resolve())
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    safeckpt.load(tmp_path / "ck", target)
+    assert after and during and None not in during, "the in-place hash did not run"
+    # each reading thread keeps at most RELEASE_BYTES + one step mapped: 2 x 8 MiB of 48
+    bound = 2 * (4 << 20) + 2 * _shardfile.HASH_BUFFER
+    seen = max(during + [a or 0 for a in after])
+    assert seen <= bound, f"{seen >> 20} MiB of the 48 MiB file mapped while hashing"
+    assert _mapped_rss(path) is None  # and the mapping is gone once the load returns
+    assert torch.equal(target["big"], state["big"])

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from ._manifest import safe_file_path, torch_dtype
-from ._shardfile import _BOUNCE, HASH_BUFFER, IOV_MAX, header_problems
+from ._shardfile import HASH_BUFFER, IOV_MAX, header_problems
 from ._storage import Storage, storage_for
 from ._tree import is_dtensor
 from .errors import CorruptCheckpoint
@@ -284,17 +284,11 @@ class TensorReader:
         self._parallel(tasks, {c["file"] for _, c in todo.values()})
 
     def _verify_run(self, run: list[tuple[dict[str, Any], str]]) -> None:
-        """Verify chunks that lie back to back in one local file: one read of them all into a
-        bounce buffer, then each chunk's checksum over its part of it."""
-        first = run[0][0]["start"]
-        f = self._file(run[0][0]["file"])
-        buf = _BOUNCE.take()
-        try:
-            f.read_into(first, buf[:run[-1][0]["end"] - first])
-            for c, key in run:
-                self._compare(key, c, xxhash.xxh3_64_hexdigest(buf[c["start"] - first:c["end"] - first]))
-        finally:
-            _BOUNCE.give(buf)
+        """Verify chunks that lie back to back in one local file, hashed together (one read,
+        or in place)."""
+        digests = self._file(run[0][0]["file"]).hash_runs([(c["start"], c["end"]) for c, _ in run])
+        for (c, key), digest in zip(run, digests, strict=True):
+            self._compare(key, c, digest)
 
     def trust(self, ids: Sequence[int]) -> None:
         """Count chunks (indices into :meth:`chunk_ids`) as verified: another rank reading the

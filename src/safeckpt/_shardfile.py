@@ -411,6 +411,17 @@ def check_chunk(data: bytes | memoryview, expect_hash: str | None, where: str, c
         )
 
 
+RELEASE_BYTES = 64 << 20  # hashed bytes kept mapped (resident) at most, per reading thread
+
+
+def _unmap(mm: mmap.mmap, start: int, end: int) -> None:
+    """Drop the page mappings of bytes [start, end) of ``mm`` (a read-only file mapping: the
+    pages stay in the page cache and are mapped again on the next access)."""
+    lo = start - start % mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, lo, min(end, len(mm)) - lo)
+
+
+
 class MappedFile:
     """One local data file, checked against its recorded size.
 
@@ -435,6 +446,8 @@ class MappedFile:
             raise
         self.size = size
         self._mapping: mmap.mmap | None = None
+        self._hash_map: mmap.mmap | None | bool = None  # read-only; False: mmap refused
+        self._map_lock = threading.Lock()  # reading threads map the file on first use
 
     @property
     def _mm(self) -> mmap.mmap | None:
@@ -482,11 +495,66 @@ class MappedFile:
             h.update(piece)
         return h.hexdigest()
 
+    def _hashable(self) -> mmap.mmap | None:
+        """A read-only shared mapping of the file for hashing in place, or None where the file
+        cannot be mapped (some FUSE mounts). xxh3 over page-cache pages through a mapping skips
+        the copy into a buffer that preadv makes: 512 MiB hashed at 30 GB/s per thread on the
+        development VM instead of 14 (cold files: the same speed as preadv)."""
+        if self._hash_map is None:
+            with self._map_lock:
+                if self._hash_map is None:
+                    try:
+                        self._hash_map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ) if self.size else False
+                    except (OSError, ValueError):
+                        self._hash_map = False
+        return self._hash_map or None
+
+    def _hash_mapped(self, mm: mmap.mmap, spans: Sequence[tuple[int, int]], step: int,
+                     keep: int) -> list[str]:
+        """xxh3-64 of each [start, end) of ``spans`` through ``mm``, ``step`` bytes per call.
+        Hashed pages are unmapped again every ``keep`` bytes and at the end (they stay in the
+        page cache): the process's resident memory grows by at most that much per reading
+        thread, not by the file (unmapping every 4 MiB step instead cost 8% of a warm load)."""
+        digests = []
+        with memoryview(mm) as whole:
+            for start, end in spans:
+                if end - start <= step:
+                    digests.append(xxhash.xxh3_64_hexdigest(whole[start:end]))
+                    continue
+                h = xxhash.xxh3_64()
+                released = start
+                for off in range(start, end, step):
+                    h.update(whole[off:min(off + step, end)])
+                    if off + step - released >= keep:
+                        _unmap(mm, released, off + step)
+                        released = off + step
+                digests.append(h.hexdigest())
+        _unmap(mm, spans[0][0], max(end for _, end in spans))
+        return digests
+
+    def hash_runs(self, spans: Sequence[tuple[int, int]]) -> list[str]:
+        """xxh3-64 of each of the back-to-back byte ranges ``spans`` (small chunks, together at
+        most HASH_BUFFER bytes): hashed in place, or from one read of them all into a buffer."""
+        mm = self._hashable()
+        if mm is not None:
+            return self._hash_mapped(mm, spans, HASH_BUFFER, RELEASE_BYTES)
+        first = spans[0][0]
+        buf = _BOUNCE.take()
+        try:
+            self.read_into(first, buf[:spans[-1][1] - first])
+            return [xxhash.xxh3_64_hexdigest(buf[s - first:e - first]) for s, e in spans]
+        finally:
+            _BOUNCE.give(buf)
+
     def hash_range_local(self, start: int, end: int, window: int) -> str:
-        """xxh3-64 of bytes [start, end), read through a per-thread buffer of at most ``window``
-        bytes (the reads also bring the bytes into the page cache for the copy that follows)."""
+        """xxh3-64 of bytes [start, end), hashed in place, or (unmappable) read through a
+        per-thread buffer of at most ``window`` bytes; either way the bytes end up in the page
+        cache for the copy that follows."""
         h = xxhash.xxh3_64()
         step = min(window, HASH_BUFFER)
+        mm = self._hashable()
+        if mm is not None:
+            return self._hash_mapped(mm, [(start, end)], step, min(window, RELEASE_BYTES))[0]
         buf = _BOUNCE.take()
         try:
             for off in range(start, end, step):
@@ -498,6 +566,9 @@ class MappedFile:
         return h.hexdigest()
 
     def close(self) -> None:
+        if self._hash_map:
+            self._hash_map.close()  # type: ignore[union-attr]  # views into it never outlive a call
+            self._hash_map = False
         if self._mapping is not None:
             try:
                 self._mapping.close()
