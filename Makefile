@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-load clean
+.PHONY: demo test lint bench bench-load bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python bench/bench_load.py
+
+bench-gpu: $(STAMP)
+	$(BIN)/python bench/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
