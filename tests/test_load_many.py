@@ -284,3 +284,21 @@ def test_hashing_in_place_keeps_file_pages_out_of_resident_memory(tmp_path, monk
     assert seen <= bound, f"{seen >> 20} MiB of the 48 MiB file mapped while hashing"
     assert _mapped_rss(path) is None  # and the mapping is gone once the load returns
     assert torch.equal(target["big"], state["big"])
+
+
+
+def test_unmapping_hashed_pages_at_the_end_of_a_file(tmp_path):
+    # Ranges that end at (or start at) the end of a page-aligned file: madvise refuses a start
+    # at the very end, so an empty range there must be skipped, not passed on (ValueError).
+    import mmap as _mmap
+
+    from safeckpt._shardfile import _unmap
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * (2 * _mmap.PAGESIZE))
+    with open(path, "rb") as f, _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ) as mm:
+        assert mm[0] == ord("x")
+        _unmap(mm, 2 * _mmap.PAGESIZE, 2 * _mmap.PAGESIZE)  # empty, at the end
+        _unmap(mm, _mmap.PAGESIZE + 5, 2 * _mmap.PAGESIZE)  # the last page, from mid-page
+        _unmap(mm, 3, 3)
+        assert mm[-1] == ord("x")  # pages come back from the page cache

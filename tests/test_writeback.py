@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import safeckpt
@@ -59,3 +60,13 @@ def test_short_writes_are_resumed(tmp_path, monkeypatch):
     safeckpt.load(tmp_path / "ck", target)
     for k, v in state.items():
         assert torch.equal(target[k], v), k
+
+
+def test_a_tensor_resized_during_the_save_publishes_nothing(tmp_path, monkeypatch):
+    # The header is written before the bytes; a tensor whose bytes no longer match the header
+    # (resized by another thread mid-save) must fail the save, never publish a torn file.
+    real = _shardfile.tensor_bytes
+    monkeypatch.setattr(_shardfile, "tensor_bytes", lambda t: real(t)[:-4] if t.numel() == 10 else real(t))
+    with pytest.raises(safeckpt.CheckpointError, match="changed size while it was being saved"):
+        safeckpt.save(tmp_path / "ck", {"a": torch.ones(10), "b": torch.ones(3)})
+    assert not (tmp_path / "ck").exists()

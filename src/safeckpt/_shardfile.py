@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ._manifest import DTYPE_TO_ST, dtype_code, open_regular
-from .errors import CorruptCheckpoint
+from .errors import CheckpointError, CorruptCheckpoint
 
 PIECE = 64 << 20  # bytes hashed and written per system call
 WRITEBACK_WINDOW = 64 << 20  # bytes handed to the disk at a time (see _EarlyWriteback)
@@ -247,7 +247,8 @@ def stream_safetensors(
     for i, (start, end) in zip(layout.order, layout.spans, strict=True):
         data = tensor_bytes(items[i][1])
         if len(data) != end - start:
-            raise RuntimeError(f"tensor {items[i][0]!r} changed size while it was being saved")
+            raise CheckpointError(f"tensor {items[i][0]!r} changed size while it was being saved; "
+                                  "nothing was published. Do not resize tensors during a save.")
         if len(data) <= PIECE:  # one piece: the one-shot hash is cheaper for small tensors
             file_hash.update(data)
             write(data)
@@ -417,9 +418,9 @@ RELEASE_BYTES = 64 << 20  # hashed bytes kept mapped (resident) at most, per rea
 def _unmap(mm: mmap.mmap, start: int, end: int) -> None:
     """Drop the page mappings of bytes [start, end) of ``mm`` (a read-only file mapping: the
     pages stay in the page cache and are mapped again on the next access)."""
-    lo = start - start % mmap.PAGESIZE
-    mm.madvise(mmap.MADV_DONTNEED, lo, min(end, len(mm)) - lo)
-
+    lo, hi = start - start % mmap.PAGESIZE, min(end, len(mm))
+    if hi > lo:  # nothing to drop for empty chunks (madvise refuses a start at the very end)
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 class MappedFile:
