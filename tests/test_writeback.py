@@ -9,6 +9,15 @@ import safeckpt
 from safeckpt import _shardfile
 
 
+def _assert_round_trip(path, state):
+    """The checkpoint at ``path`` verifies deep and loads back exactly ``state``."""
+    assert safeckpt.verify(path, deep=True).ok
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    safeckpt.load(path, target)
+    for k, v in state.items():
+        assert torch.equal(target[k], v), k
+
+
 def test_small_writeback_windows_round_trip(tmp_path, monkeypatch):
     # Tiny windows and pieces so that every code path (start, wait, drop) runs many times,
     # including windows that end in the middle of a tensor.
@@ -31,11 +40,7 @@ def test_small_writeback_windows_round_trip(tmp_path, monkeypatch):
     }
     safeckpt.save(tmp_path / "ck", state)
     assert calls == sorted(calls) and len(calls) >= 6
-    assert safeckpt.verify(tmp_path / "ck", deep=True).ok
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    safeckpt.load(tmp_path / "ck", target)
-    for k, v in state.items():
-        assert torch.equal(target[k], v), k
+    _assert_round_trip(tmp_path / "ck", state)
 
 
 def test_short_writes_are_resumed(tmp_path, monkeypatch):
@@ -55,11 +60,7 @@ def test_short_writes_are_resumed(tmp_path, monkeypatch):
     state = {f"t{i}": torch.randn(i + 1, 7, generator=g) for i in range(40)}
     safeckpt.save(tmp_path / "ck", state)
     assert len(sizes) > 40  # the short writes really happened
-    assert safeckpt.verify(tmp_path / "ck", deep=True).ok
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    safeckpt.load(tmp_path / "ck", target)
-    for k, v in state.items():
-        assert torch.equal(target[k], v), k
+    _assert_round_trip(tmp_path / "ck", state)
 
 
 def test_a_tensor_resized_during_the_save_publishes_nothing(tmp_path, monkeypatch):

@@ -80,13 +80,6 @@ def _numpy_lacks() -> dict[torch.dtype, torch.dtype]:
 _NUMPY_LACKS = _numpy_lacks()
 
 
-class WrittenChunk(NamedTuple):
-    name: str
-    start: int
-    end: int
-    xxh3_64: str
-
-
 @dataclass(frozen=True)
 class WrittenFile:
     """What a writer reports: per chunk in file order, its name, byte span and checksum, as
@@ -100,10 +93,6 @@ class WrittenFile:
     names: Sequence[str]
     spans: Sequence[tuple[int, int]]
     digests: Sequence[str]
-
-    @property
-    def chunks(self) -> tuple[WrittenChunk, ...]:
-        return tuple(WrittenChunk(n, s, e, d) for n, (s, e), d in zip(self.names, self.spans, self.digests, strict=True))
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
@@ -551,11 +540,11 @@ class MappedFile:
         """xxh3-64 of bytes [start, end), hashed in place, or (unmappable) read through a
         per-thread buffer of at most ``window`` bytes; either way the bytes end up in the page
         cache for the copy that follows."""
-        h = xxhash.xxh3_64()
         step = min(window, HASH_BUFFER)
         mm = self._hashable()
         if mm is not None:
             return self._hash_mapped(mm, [(start, end)], step, min(window, RELEASE_BYTES))[0]
+        h = xxhash.xxh3_64()
         buf = _BOUNCE.take()
         try:
             for off in range(start, end, step):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._manifest import DTYPE_TO_ST, dtype_code
+from ._manifest import dtype_code
 from .errors import CheckpointError
 
 SEP = "/"
@@ -76,7 +76,7 @@ class Leaf:
         # Computed once: a save looks at each of these several times, and for states of
         # thousands of tensors torch attribute access is a large part of the time save() blocks.
         self.shape = list(tensor.shape)
-        self.dtype = DTYPE_TO_ST.get(tensor.dtype) or dtype_code(tensor.dtype)  # its safetensors code
+        self.dtype = dtype_code(tensor.dtype)  # safetensors code
         self.itemsize = tensor.element_size()
 
     def __repr__(self) -> str:
@@ -194,8 +194,14 @@ def optimizer_state_dict(opt: torch.optim.Optimizer, names: Mapping[int, str]) -
     }
 
 
+def _good_name(name: Any) -> bool:
+    """Whether ``name`` may be a top-level state key: a non-empty string without ``/`` or a
+    leading ``@`` (the one rule; :func:`check_name` raises where it fails)."""
+    return isinstance(name, str) and bool(name) and SEP not in name and not name.startswith("@")
+
+
 def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or SEP in name or name.startswith("@"):
+    if not _good_name(name):
         raise CheckpointError(
             f"state keys must be non-empty strings without '/' or a leading '@', got {name!r}"
         )
@@ -210,8 +216,8 @@ def encode_state(state: Mapping[Any, Any], leaves: list[Leaf],
     third of the time an async save of 4,000 tensors spent encoding."""
     objects = []
     for name, value in state.items():
-        if (type(value) is torch.Tensor and not value.requires_grad and type(name) is str and name
-                and SEP not in name and name[0] != "@" and not getattr(value, PER_RANK_ATTR, False)):
+        if (type(value) is torch.Tensor and not value.requires_grad and _good_name(name)
+                and not getattr(value, PER_RANK_ATTR, False)):
             key = escape_key(name)
             leaves.append(Leaf(key, value, "replicated"))
             objects.append(EncodedObject(name, "tensor", {"@tensor": key}))
