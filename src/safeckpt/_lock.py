@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from ._storage import Storage, storage_for
@@ -106,6 +107,11 @@ class RootLock:
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # A lease whose holder object is garbage collected (a manager or accelerator dropped
+        # without close()) is released: the heartbeat thread holds only a weak reference, and
+        # this finalizer stops it and removes the record if it is still ours.
+        self._finalizer = weakref.finalize(self, _drop_record, self.store, self.path, self.nonce,
+                                           self._stop)
 
     def _record(self) -> bytes:
         return json.dumps({
@@ -158,15 +164,24 @@ class RootLock:
 
     def _start_heartbeat(self) -> None:
         self._stop = threading.Event()
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _drop_record, self.store, self.path, self.nonce,
+                                           self._stop)
         stop = self._stop
+        me = weakref.ref(self)
+        period = self.lease / 4
 
         def beat() -> None:
-            while not stop.wait(self.lease / 4):
+            while not stop.wait(period):
+                lock = me()
+                if lock is None:
+                    return
                 try:
-                    if self._mine():
-                        self.store.touch(self.path, self._record())
+                    if lock._mine():
+                        lock.store.touch(lock.path, lock._record())
                 except Exception:  # noqa: BLE001 - best effort; the next save re-checks
                     pass
+                del lock
 
         self._thread = threading.Thread(target=beat, name="safeckpt-lease", daemon=True)
         self._thread.start()
@@ -186,6 +201,17 @@ class RootLock:
             except Exception:  # noqa: BLE001 - releasing must not mask the caller's outcome
                 pass
             self.held = False
+
+
+def _drop_record(store: Storage, path: str, nonce: str, stop: threading.Event) -> None:
+    """Finalizer of a collected RootLock: stop its heartbeat, remove the record if ours."""
+    stop.set()
+    try:
+        raw = store.read(path, MAX_RECORD)
+        if raw is not None and json.loads(raw).get("nonce") == nonce:
+            store.delete(path)
+    except Exception:  # noqa: BLE001 - best effort, possibly at interpreter exit
+        pass
 
 
 def writer_lease(root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE,

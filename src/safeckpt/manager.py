@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
@@ -80,6 +81,9 @@ class CheckpointManager:
         self._preempted = False
         self._restored: int | None = None
         self._closed = False
+        # Dropped without close() (a trainer or accelerator garbage collected): release the
+        # lease and the signal handlers all the same, so a new manager on this root can write.
+        self._finalizer = weakref.finalize(self, _abandon, self._lock, self._watcher)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
@@ -249,9 +253,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._lock.release()
-            if self._watcher:
-                self._watcher.restore()
+            self._finalizer.detach()
+            _abandon(self._lock, self._watcher)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -270,3 +273,10 @@ class CheckpointManager:
             warnings.warn(f"while closing after an error: {close_exc}", SafeckptWarning, stacklevel=2)
 
 
+def _abandon(lock: Any, watcher: PreemptionWatcher | None) -> None:
+    """Release what a manager holds (close(), or its finalizer when it is collected)."""
+    try:
+        lock.release()
+    finally:
+        if watcher:
+            watcher.restore()

@@ -65,10 +65,14 @@ def accelerator_state(acc: Accelerator, *, loading: bool = False) -> dict[str, A
     for i, sched in enumerate(acc._schedulers):
         state[f"scheduler_{i}"] = common.inner_scheduler(sched)
     for i, dl in enumerate(acc._dataloaders):
-        entry: dict[str, Any] = {"sampler": None if loading else common.sampler_state(dl)}
+        state[f"dataloader_{i}"] = {"sampler": None if loading else common.sampler_state(dl)}
         if getattr(dl, "use_stateful_dataloader", False):
-            entry["position"] = PerRank(None if loading else dl.state_dict())
-        state[f"dataloader_{i}"] = entry
+            # Per-rank values are top-level entries (a PerRank inside a tree is refused by the
+            # core). The position is JSON plus the sampler generator's state tensor.
+            position = None if loading else dl.state_dict()
+            if position is not None:
+                common.check_plain(f"stateful dataloader {i}", position)
+            state[f"dataloader_{i}_position"] = PerRank(position)
     for i, obj in enumerate(acc._custom_objects):
         if not loading:
             common.check_plain(f"register_for_checkpointing object {i} ({type(obj).__name__})",
@@ -87,8 +91,9 @@ def _apply(acc: Accelerator, state: dict[str, Any]) -> None:
     for i, dl in enumerate(acc._dataloaders):
         entry = state[f"dataloader_{i}"]
         common.restore_sampler(dl, entry["sampler"], "load_state")
-        if "position" in entry and entry["position"].value is not None:
-            dl.load_state_dict(entry["position"].value)
+        position = state.get(f"dataloader_{i}_position")
+        if position is not None and position.value is not None:
+            dl.load_state_dict(position.value)
     meta = state["accelerator"]
     if meta.get("format") != FORMAT:
         raise IncompatibleCheckpoint(f"not an Accelerate checkpoint (format {meta.get('format')!r})")

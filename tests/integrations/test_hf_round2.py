@@ -1,0 +1,125 @@
+"""Issue 19 round 2: Accelerate and Trainer bugs found by the frameworks' own checkpoint tests.
+
+One process each (no process group); the distributed paths are in test_hf_trainer_accelerate.py.
+Each test here failed before its fix.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import hf_tiny as tiny  # noqa: E402
+
+for _k, _v in tiny.OFFLINE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+
+import safeckpt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():  # noqa: ANN202
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _acc(project: str, **kw: object):  # noqa: ANN202
+    from accelerate.utils import ProjectConfiguration
+
+    from safeckpt.integrations.accelerate import SafeckptAccelerator
+
+    return SafeckptAccelerator(cpu=True, project_config=ProjectConfiguration(
+        project_dir=project, automatic_checkpoint_naming=True, total_limit=2), **kw)
+
+
+# --------------------------------------------------------------------------- Accelerate
+def test_stateful_dataloader_position_is_saved_and_restored(tmp_path) -> None:
+    pytest.importorskip("torchdata")
+    from accelerate.utils import DataLoaderConfiguration
+
+    def run():  # noqa: ANN202
+        acc = _acc(str(tmp_path), dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+        dl = torch.utils.data.DataLoader(list(range(40)), batch_size=4, shuffle=False)
+        model = torch.nn.Linear(2, 2)
+        model, dl = acc.prepare(model, dl)
+        return acc, dl
+
+    acc, dl = run()
+    it = iter(dl)
+    seen = [next(it).tolist() for _ in range(3)]
+    acc.save_state()
+    rest = [b.tolist() for b in it]
+    acc.safeckpt_close()
+    del acc, dl, it
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc, dl = run()
+    try:
+        acc.load_state()
+        assert [b.tolist() for b in dl] == rest and len(seen) == 3
+    finally:
+        acc.safeckpt_close()
+
+
+def test_second_accelerator_after_del_takes_the_lease(tmp_path) -> None:
+    acc = _acc(str(tmp_path))
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    acc.save_state()
+    del acc, model
+    gc.collect()
+    acc = _acc(str(tmp_path))  # same project_dir, same process: the old lease is gone
+    acc.prepare(torch.nn.Linear(2, 2))
+    try:
+        acc.load_state()
+        assert acc.save_state().endswith("1")
+    finally:
+        acc.safeckpt_close()
+
+
+def test_collected_manager_and_lease_release_the_root(tmp_path) -> None:
+    from safeckpt._lock import LOCK_NAME, writer_lease
+
+    mgr = safeckpt.CheckpointManager(tmp_path / "m", preemption_signals=())
+    mgr.save(1, {"x": torch.ones(2)})
+    assert (tmp_path / "m" / LOCK_NAME).exists()
+    del mgr
+    gc.collect()
+    assert not (tmp_path / "m" / LOCK_NAME).exists()
+    again = safeckpt.CheckpointManager(tmp_path / "m", preemption_signals=())
+    again.save(2, {"x": torch.ones(2)})
+    again.close()
+
+    lock = writer_lease(str(tmp_path))
+    lock.acquire()
+    assert (tmp_path / LOCK_NAME).exists()
+    del lock
+    gc.collect()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_collected_manager_restores_signal_handlers(tmp_path) -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR1)
+    mgr = safeckpt.CheckpointManager(tmp_path)
+    assert signal.getsignal(signal.SIGUSR1) is not before
+    del mgr
+    gc.collect()
+    assert signal.getsignal(signal.SIGUSR1) is before
