@@ -1,0 +1,732 @@
+"""safeckpt as the storage layer of ``torch.distributed.checkpoint`` (DCP).
+
+One argument changes::
+
+    import torch.distributed.checkpoint as dcp
+    import safeckpt.dcp
+
+    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path))        # was checkpoint_id=path
+    dcp.async_save(state, storage_writer=safeckpt.dcp.StorageWriter(path))
+    dcp.load(state, storage_reader=safeckpt.dcp.StorageReader(path))
+
+DCP's planners still decide what is written (deduplication, resharding, ``get_state_dict`` /
+``set_state_dict``); safeckpt decides how, through DCP's own protocol:
+
+- ``prepare_local_plan`` (every rank) puts the rank's path in its plan; ``prepare_global_plan``
+  (the coordinator, which sees every plan) compares them: ranks given different paths get
+  :class:`~safeckpt.RankMismatch` (inside DCP's ``CheckpointException``, on every rank) before
+  anything is written. Otherwise it checks the target and creates one hidden staging
+  directory, whose name reaches every rank in the global plan.
+- ``write_data`` (every rank) checks it sees that directory (bounded wait) and streams its
+  items into one safetensors file there, hashing while writing (xxh3-64 per chunk, xxh3-128
+  per file), fsynced. Non-tensor items are stored as JSON (never pickled).
+- ``finish`` (the coordinator, which gets every rank's results) checks every file is there
+  with the size its rank wrote, writes DCP's Metadata as JSON and a safeckpt manifest, and
+  publishes the directory with one atomic rename. Before that nothing is visible at the path.
+- :class:`StorageReader` validates manifest and metadata, verifies every chunk it reads
+  against its checksum before copying anything into the caller's tensors, and unpickles nothing.
+
+DCP turns any error raised in these steps into its ``CheckpointException`` (raised on every
+rank; ``.failures`` maps each failing rank to the original error, and its message shows them).
+:func:`translate_errors` re-raises the safeckpt error itself.
+
+Everything is local or shared-filesystem paths (no object-store URLs yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as _dcp
+import xxhash
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import __version__, _commit
+from ._dcp_format import (
+    DCP_FILE,
+    MANIFEST_KEY,
+    MAX_DCP_FILE,
+    build_layout,
+    dcp_document,
+    encode_value,
+    parse_dcp_document,
+)
+from ._manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    dtype_code,
+    encode_manifest,
+    open_regular,
+    parse_manifest,
+    rank_file,
+    safe_file_path,
+    torch_dtype,
+)
+from ._reader import open_manifest
+from ._shardfile import MappedFile, write_file
+from ._storage import is_remote, resolve
+from ._storage_posix import PosixStorage, fsync_dir, remove_tree
+from ._tree import decode
+from .errors import (
+    PORTABLE_ERRORS,
+    CheckpointError,
+    CheckpointExists,
+    CorruptCheckpoint,
+    RankFailure,
+    RankMismatch,
+)
+
+__all__ = ["StorageReader", "StorageWriter", "translate_errors"]
+
+
+# ----------------------------------------------------------------------------- what crosses ranks
+@dataclasses.dataclass(frozen=True)
+class _RankInfo:
+    """A rank's local plan data: who it is and which path it was given."""
+
+    rank: int
+    path: str
+    overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staging:
+    """The coordinator's answer in the global plan: where every rank writes."""
+
+    path: str  # the final path, as the coordinator resolved it
+    staging: str  # the hidden staging directory the coordinator created
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """One tensor chunk a rank wrote (a WriteResult's storage_data)."""
+
+    file: str
+    start: int
+    end: int
+    xxh3_64: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file_size: int
+    file_xxh3_128: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """One non-tensor item as a JSON tree (a WriteResult's storage_data)."""
+
+    tree: Any
+
+
+def _describe_paths(infos: list[_RankInfo], attr: str = "path") -> str:
+    by: dict[Any, list[int]] = {}
+    for i in infos:
+        by.setdefault(getattr(i, attr), []).append(i.rank)
+    parts = []
+    for value, ranks in by.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks[:16])) + (
+            ", ..." if len(ranks) > 16 else "")
+        parts.append(f"{who}: {value!r}")
+    return "; ".join(parts)
+
+
+def _check_same_path(infos: list[Any], op: str) -> None:
+    if any(not isinstance(i, _RankInfo) for i in infos):
+        raise CheckpointError(
+            f"{op}: a rank's plan carries no safeckpt.dcp data: every rank must use "
+            "safeckpt.dcp's storage writer/reader (and no plan caching)"
+        )
+    if len({i.path for i in infos}) > 1:
+        raise RankMismatch(
+            f"{op}: ranks were given different checkpoint paths ({_describe_paths(infos)}); "
+            "nothing was written or read. Every rank must pass the same path: compute it once "
+            "(e.g. on rank 0, then dist.broadcast_object_list) instead of from each rank's clock."
+        )
+    if len({i.overwrite for i in infos}) > 1:
+        raise RankMismatch(
+            f"{op}: ranks were given different overwrite flags "
+            f"({_describe_paths(infos, 'overwrite')}); nothing was written."
+        )
+
+
+def _rank_of(kwargs: Mapping[str, Any]) -> int:
+    rank = kwargs.get("rank")
+    if isinstance(rank, int):
+        return rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _local_path(path: str | os.PathLike[str], what: str) -> str:
+    if is_remote(os.fspath(path)):
+        raise CheckpointError(
+            f"{what} takes a local or shared-filesystem path, not the URL {os.fspath(path)!r}: "
+            "object stores are not supported through DCP yet (use safeckpt.save / "
+            "CheckpointManager for them)"
+        )
+    return resolve(path)
+
+
+# ----------------------------------------------------------------------------- writer
+class StorageWriter(_dcp.StorageWriter):
+    """DCP storage writer: agreed path, staged writes, checked atomic commit, no pickle.
+
+    ``path``: the checkpoint directory (every rank must pass the same one; ``checkpoint_id``
+    given to ``dcp.save`` replaces it). ``overwrite``: replace an existing checkpoint there
+    atomically (the old one stays until the new one is committed); without it an existing
+    checkpoint raises :class:`~safeckpt.CheckpointExists`. An existing *empty* directory is
+    not in the way. ``metadata``: JSON stored in the manifest (``safeckpt inspect`` shows it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
+                 metadata: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.path = _local_path(path, "safeckpt.dcp.StorageWriter")
+        self.overwrite = bool(overwrite)
+        self.metadata = dict(metadata or {})
+        encode_value(self.metadata, "metadata")  # JSON or a clear error now, not at commit
+        self.is_coordinator = False
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex
+        self._staging: _Staging | None = None  # the coordinator's current, unpublished staging
+
+    # -- setup
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = _local_path(checkpoint_id, "safeckpt.dcp.StorageWriter")
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return not is_remote(os.fspath(checkpoint_id))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False:
+            raise CheckpointError(
+                "safeckpt.dcp.StorageWriter needs DCP's collectives (use_collectives=True, the "
+                "default): without them ranks cannot agree on the path nor commit together"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = _rank_of(kwargs)
+        if is_coordinator:
+            self._drop_staging()  # a previous save through this writer that failed after staging
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            remove_tree(self._staging.staging)
+            self._staging = None
+
+    # -- planning
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not plan.usable:
+            raise CheckpointError(
+                "safeckpt.dcp.StorageWriter does not support DCP's plan caching "
+                "(DefaultSavePlanner(enable_plan_caching=True)): a cached plan would send ranks "
+                "to the previous save's staging directory. Use a planner without it."
+            )
+        return dataclasses.replace(plan, storage_data=_RankInfo(self.rank, self.path, self.overwrite))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _check_same_path([p.storage_data for p in plans], "dcp.save")
+        if any(not p.usable for p in plans):
+            raise CheckpointError("safeckpt.dcp.StorageWriter does not support DCP's plan caching")
+        begun = _begin(self.path, self.overwrite)
+        self._staging = _Staging(self.path, begun["path"], begun["token"])
+        return [dataclasses.replace(p, storage_data=self._staging) for p in plans]
+
+    # -- writing
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        staging = plan.storage_data
+        if not isinstance(staging, _Staging):
+            raise CheckpointError("safeckpt.dcp: the global plan carries no staging directory")
+        if getattr(planner, "_enable_plan_caching", False):
+            raise CheckpointError(
+                "safeckpt.dcp.StorageWriter does not support DCP's plan caching "
+                "(DefaultSavePlanner(enable_plan_caching=True)); use a planner without it."
+            )
+        store = PosixStorage()
+        _commit.probe(store, {"path": staging.staging, "token": staging.token}, self.rank)
+        results = _write_rank(staging.staging, self.rank, plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    # -- commit
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        staging = self._staging
+        if staging is None:
+            raise CheckpointError("safeckpt.dcp: finish() without a staged save on the coordinator")
+        try:
+            _commit_save(staging, metadata, results, overwrite=self.overwrite, user=self.metadata)
+        except BaseException:
+            self._drop_staging()
+            raise
+        self._staging = None
+
+
+def _begin(target: str, overwrite: bool) -> dict[str, str]:
+    """Check the target and create the staging directory (an empty directory at the target,
+    as DCP users often create first, is not in the way)."""
+    if not overwrite and os.path.isdir(target) and not os.path.islink(target) and not os.listdir(target):
+        token = uuid.uuid4().hex[:12]
+        return {"token": token, "path": PosixStorage().stage(target, token)}
+    return _commit.begin(PosixStorage(), target, overwrite)
+
+
+def _write_rank(staging: str, rank: int, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    tensor_items = []
+    results: list[WriteResult] = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            results.append(WriteResult(index=item.index, size_in_bytes=0,
+                                       storage_data=_Value(_plain_value(item, planner))))
+        else:
+            tensor_items.append(item)
+    if not tensor_items:
+        return results
+    named = []
+    boxes = []
+    for item in tensor_items:
+        t = planner.resolve_data(item)
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"DCP item {item.index.fqn!r} resolved to a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+        sizes = tuple(chunk.sizes) if chunk is not None else tuple(t.shape)
+        if tuple(t.shape) != sizes:
+            raise CheckpointError(f"DCP item {item.index.fqn!r} has shape {tuple(t.shape)}, its plan says {sizes}")
+        try:
+            dtype_code(t.dtype)
+        except TypeError as exc:
+            raise CheckpointError(f"DCP item {item.index.fqn!r}: {exc}") from None
+        named.append((_chunk_name(item), t))
+        offsets = tuple(chunk.offsets) if chunk is not None else (0,) * t.dim()
+        boxes.append((tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)))
+    fname = rank_file(rank)
+    written = write_file(os.path.join(staging, fname), named, {"format": "safeckpt", "writer": "safeckpt.dcp"})
+    where = {n: (span, digest) for n, span, digest in zip(written.names, written.spans, written.digests, strict=True)}
+    for item, (name, _), (offsets, sizes) in zip(tensor_items, named, boxes, strict=True):
+        (start, end), digest = where[name]
+        results.append(WriteResult(
+            index=item.index, size_in_bytes=end - start,
+            storage_data=_Stored(fname, start, end, digest, offsets, sizes, written.size, written.xxh3_128),
+        ))
+    return results
+
+
+def _chunk_name(item: Any) -> str:
+    off = item.index.offset
+    return item.index.fqn if off is None else f"{item.index.fqn}@{','.join(map(str, off))}"
+
+
+def _plain_value(item: Any, planner: SavePlanner) -> Any:
+    """A non-tensor item as JSON, taken from the planner's state before DCP pickles it
+    (``lookup_object``, which DCP's DefaultSavePlanner has); for other planners, what
+    ``resolve_data`` pickled is read back with torch's restricted unpickler (plain values only)."""
+    fqn = item.index.fqn
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        value = lookup(item.index)
+    else:
+        data = planner.resolve_data(item)
+        try:
+            data.seek(0)
+            value = torch.load(data, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any refusal means: not plain values
+            raise CheckpointError(
+                f"DCP item {fqn!r} is a pickled object beyond plain values ({type(exc).__name__}); "
+                "safeckpt.dcp stores non-tensor items as JSON"
+            ) from None
+    return encode_value(value, fqn)
+
+
+def _properties(p: TensorProperties) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if p.requires_grad:
+        out["requires_grad"] = True
+    if p.pin_memory:
+        out["pin_memory"] = True
+    fmt = {torch.channels_last: "channels_last", torch.preserve_format: "preserve_format"}.get(p.memory_format)
+    if fmt is not None:
+        out["memory_format"] = fmt
+    if p.layout != torch.strided:
+        raise CheckpointError(f"tensor layout {p.layout} cannot be stored by safeckpt.dcp (strided only)")
+    return out
+
+
+def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[WriteResult]], *,
+                 overwrite: bool, user: dict[str, Any]) -> None:
+    """Coordinator: check every rank's file, write DCP metadata and manifest, publish."""
+    files: dict[str, Any] = {}
+    chunks: dict[str, list[_Stored]] = {}
+    values: dict[str, Any] = {}
+    for rank, rank_results in enumerate(results):
+        for res in rank_results:
+            sd = res.storage_data
+            if isinstance(sd, _Value):
+                values[res.index.fqn] = sd.tree
+            elif isinstance(sd, _Stored):
+                chunks.setdefault(res.index.fqn, []).append(sd)
+                rec = {"size": sd.file_size, "xxh3_128": sd.file_xxh3_128, "rank": rank}
+                if files.setdefault(sd.file, rec) != rec:
+                    raise CheckpointError(f"rank {rank} reported two different files named {sd.file}")
+            else:
+                raise CheckpointError(f"rank {rank} returned a write result safeckpt.dcp did not make")
+    for name, rec in files.items():
+        actual = PosixStorage().size(os.path.join(staging.staging, name))
+        if actual is None:
+            raise CheckpointError(
+                f"rank {rec['rank']} wrote {name} but the coordinator (rank 0) cannot see it in "
+                f"{staging.staging}. {_commit.NOT_SHARED}")
+        if actual != rec["size"]:
+            raise CheckpointError(
+                f"rank {rec['rank']}'s file {name} has {actual} bytes in {staging.staging} but "
+                f"rank {rec['rank']} wrote {rec['size']}: the storage lost or replaced it")
+    sdm = metadata.state_dict_metadata
+    fqns = list(sdm)
+    tensor_fqns = {f for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)}
+    missing = [f for f in fqns if f not in tensor_fqns and f not in values]
+    missing += [f for f in tensor_fqns if f not in chunks and _numel(sdm[f].size) > 0]
+    if missing:
+        raise CheckpointError(f"no rank wrote DCP item {missing[0]!r} ({len(missing)} missing)")
+    keys, objects = build_layout(fqns, tensor_fqns, values, metadata.planner_data)
+    tensors: dict[str, Any] = {}
+    entries: dict[str, Any] = {}
+    for f in fqns:
+        m = sdm[f]
+        if f not in tensor_fqns:
+            entries[f] = {"value": values[f]}
+            continue
+        entries[f] = {"tensor": keys[f], "properties": _properties(m.properties)}
+        if not entries[f]["properties"]:
+            del entries[f]["properties"]
+        stored = {s.offsets: s for s in chunks.get(f, [])}
+        recs = []
+        for c in m.chunks:  # DCP's chunk order, so the Metadata comes back the same
+            s = stored.pop(tuple(c.offsets), None)
+            if s is None:
+                if _numel(c.sizes) == 0:
+                    continue
+                raise CheckpointError(f"no rank wrote the chunk at {list(c.offsets)} of DCP item {f!r}")
+            recs.append({"file": s.file, "start": s.start, "end": s.end, "xxh3_64": s.xxh3_64,
+                         "offsets": list(s.offsets), "sizes": list(s.sizes)})
+        if stored:
+            raise CheckpointError(f"ranks wrote chunks of DCP item {f!r} that its metadata does not list")
+        scope = "replicated" if len(recs) == 1 and recs[0]["sizes"] == list(m.size) else "sharded"
+        tensors[keys[f]] = {"dtype": dtype_code(m.properties.dtype), "shape": list(m.size), "scope": scope,
+                            "chunks": recs}
+    meta = metadata.storage_meta
+    storage_meta = None if meta is None else {
+        "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+        "save_id": meta.save_id, "modules": [str(x) for x in (meta.modules or [])],
+    }
+    doc = dcp_document(entries, metadata.planner_data, storage_meta, metadata.version)
+    dcp_path = os.path.join(staging.staging, DCP_FILE)
+    fd = os.open(dcp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(doc)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    now = time.time()
+    man = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": None,
+        "world_size": max(1, len(results)),
+        "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "created_unix": now,
+        "safeckpt_version": __version__,
+        "torch_version": torch.__version__,
+        "metadata": {**user, MANIFEST_KEY: {"file": DCP_FILE, "size": len(doc),
+                                            "xxh3_128": xxhash.xxh3_128_hexdigest(doc),
+                                            "dcp_version": metadata.version}},
+        "metrics": {},
+        "files": files,
+        "objects": objects,
+        "tensors": tensors,
+    }
+    raw = encode_manifest(man)
+    parse_manifest(raw, staging.staging)  # what is published must read back: validate it first
+    target = staging.path
+    if not overwrite and os.path.isdir(target) and not os.path.islink(target):
+        try:
+            os.rmdir(target)  # the empty directory _begin let through
+        except OSError:
+            raise CheckpointExists(
+                f"{target} appeared while saving (another job writing the same path?); nothing was replaced."
+            ) from None
+    _commit.commit(PosixStorage(), target, {"path": staging.staging, "token": staging.token}, raw,
+                   overwrite=overwrite, files=files)
+    fsync_dir(os.path.dirname(target) or ".")
+
+
+def _numel(size: Any) -> int:
+    n = 1
+    for d in size:
+        n *= int(d)
+    return n
+
+
+# ----------------------------------------------------------------------------- reader
+class StorageReader(_dcp.StorageReader):
+    """DCP storage reader for checkpoints written by :class:`StorageWriter`: validates the
+    manifest and DCP metadata (JSON), verifies every chunk's xxh3-64 before copying it into the
+    caller's tensors (``verify_checksums=False`` skips that), and unpickles nothing."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify_checksums: bool = True) -> None:
+        super().__init__()
+        self.path = _local_path(path, "safeckpt.dcp.StorageReader")
+        self.verify_checksums = verify_checksums
+        self.rank = 0
+        self.is_coordinator = False
+        self._error: BaseException | None = None
+        self._manifest: dict[str, Any] | None = None
+        self._chunks: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+        self._values: dict[str, Any] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = _local_path(checkpoint_id, "safeckpt.dcp.StorageReader")
+        self._error = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return not is_remote(os.fspath(checkpoint_id)) and os.path.isfile(
+            os.path.join(os.fspath(checkpoint_id), DCP_FILE))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP swallows an Exception raised here into "metadata is None" (AssertionError); the
+        # error is kept and raised from set_up_storage_reader instead, so the caller gets it.
+        self._error = None
+        try:
+            return self._read_metadata()
+        except CheckpointError as exc:
+            self._error = exc
+            return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
+        man = open_manifest(self.path)
+        info = (man.get("metadata") or {}).get(MANIFEST_KEY)
+        if not isinstance(info, dict):
+            raise CheckpointError(
+                f"{self.path} is a safeckpt checkpoint written by safeckpt.save, not through "
+                "torch.distributed.checkpoint: load it with safeckpt.load (or read_state_dict)"
+            )
+        raw = self._read_dcp_file(info)
+        where = os.path.join(self.path, DCP_FILE)
+        doc = parse_dcp_document(raw, where, self.path, man)
+        self._manifest = man
+        sdm: dict[str, Any] = {}
+        self._chunks, self._values = {}, {}
+        for fqn, e in doc["entries"].items():
+            if "value" in e:
+                sdm[fqn] = BytesStorageMetadata()
+                self._values[fqn] = e["value"]
+                continue
+            rec = man["tensors"][e["tensor"]]
+            props = e.get("properties", {})
+            fmt = {"channels_last": torch.channels_last, "preserve_format": torch.preserve_format}.get(
+                props.get("memory_format", ""), torch.contiguous_format)
+            chunks = []
+            for c in rec["chunks"]:
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
+                self._chunks[(fqn, tuple(c["offsets"]))] = {**c, "dtype": rec["dtype"]}
+            sdm[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(rec["dtype"]), requires_grad=props.get("requires_grad", False),
+                                            memory_format=fmt, pin_memory=props.get("pin_memory", False)),
+                size=torch.Size(rec["shape"]), chunks=chunks,
+            )
+        pdata = doc.get("planner_data")
+        meta = doc.get("storage_meta")
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=None if pdata is None else {k: tuple(v) for k, v in pdata.items()},
+            storage_data=None,
+            storage_meta=None if meta is None else StorageMeta(
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=list(meta.get("modules", []))),
+            version=doc.get("dcp_version"),
+        )
+
+    def _read_dcp_file(self, info: dict[str, Any]) -> bytes:
+        name, size, digest = info.get("file"), info.get("size"), info.get("xxh3_128")
+        if not isinstance(size, int) or not isinstance(digest, str) or not 0 <= size <= MAX_DCP_FILE:
+            raise CorruptCheckpoint(f"{self.path}/manifest.json: malformed '{MANIFEST_KEY}' metadata", path=self.path)
+        path = safe_file_path(self.path, name)
+        fd = open_regular(path, self.path)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}", path=self.path)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(size + 1)
+        finally:
+            os.close(fd)
+        if len(raw) != size or xxhash.xxh3_128_hexdigest(raw) != digest:
+            raise CorruptCheckpoint(f"checksum mismatch in {path}: it was damaged after the checkpoint was written",
+                                    path=self.path)
+        return raw
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._error is not None:
+            raise self._error
+        self.is_coordinator = is_coordinator
+        self.rank = _rank_of(kwargs)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=_RankInfo(self.rank, self.path))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        _check_same_path([p.storage_data for p in plans], "dcp.load")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._manifest is None:
+            raise CheckpointError("safeckpt.dcp.StorageReader: read_data before read_metadata")
+        files: dict[str, MappedFile] = {}
+        try:
+            work = []
+            for ri in plan.items:
+                if ri.type == LoadItemType.BYTE_IO:
+                    continue
+                key = (ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))
+                c = self._chunks.get(key)
+                if c is None:
+                    raise CorruptCheckpoint(f"{self.path} holds no chunk of {key[0]!r} at {list(key[1])}", path=self.path)
+                if c["file"] not in files:
+                    size = self._manifest["files"][c["file"]]["size"]
+                    files[c["file"]] = MappedFile(safe_file_path(self.path, c["file"]), size)
+                work.append((ri, c))
+            if self.verify_checksums:  # every chunk first: nothing is copied from a damaged file
+                seen = set()
+                for ri, c in work:
+                    ident = (c["file"], c["start"])
+                    if ident in seen or c["end"] == c["start"]:
+                        continue
+                    seen.add(ident)
+                    got = files[c["file"]].hash_range_local(c["start"], c["end"], 64 << 20)
+                    if got != c["xxh3_64"]:
+                        raise CorruptCheckpoint(
+                            f"checksum mismatch in {os.path.join(self.path, c['file'])} bytes "
+                            f"{c['start']}-{c['end']} ({ri.storage_index.fqn!r}): the data is corrupt. "
+                            "Load an older checkpoint.", path=self.path)
+            for ri, c in work:
+                src = files[c["file"]].tensor(c["start"], c["end"], torch_dtype(c["dtype"]), c["sizes"], None)
+                for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
+                    src = src.narrow(dim, off, n)
+                target = planner.resolve_tensor(ri).detach()
+                if tuple(target.shape) != tuple(src.shape):
+                    raise CheckpointError(
+                        f"DCP asked for {tuple(src.shape)} of {ri.storage_index.fqn!r} into a tensor of "
+                        f"shape {tuple(target.shape)}")
+                target.copy_(src)
+                planner.commit_tensor(ri, target)
+            for ri in plan.items:
+                if ri.type == LoadItemType.BYTE_IO:
+                    self._load_value(ri, planner)
+        finally:
+            for f in files.values():
+                f.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_value(self, ri: Any, planner: LoadPlanner) -> None:
+        fqn = ri.storage_index.fqn
+        if fqn not in self._values:
+            raise CorruptCheckpoint(f"{self.path} holds no value {fqn!r}", path=self.path)
+        value = decode(self._values[fqn], _no_tensor)
+        if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+            # What DefaultLoadPlanner.load_bytes does after its torch.load, without the pickle.
+            from torch.distributed.checkpoint._traverse import set_element
+
+            if planner.flatten_state_dict:
+                set_element(planner.original_state_dict, planner.mappings[ri.dest_index.fqn], value)
+            else:
+                planner.state_dict[ri.dest_index.fqn] = value
+            return
+        # A planner with its own load_bytes reads DCP's wire format: a torch.save of the value,
+        # made here in memory from the validated JSON (nothing from disk is unpickled).
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        planner.load_bytes(ri, buf)
+
+
+def _no_tensor(key: str) -> torch.Tensor:
+    raise CorruptCheckpoint(f"a DCP value refers to tensor {key!r}")
+
+
+# ----------------------------------------------------------------------------- errors
+def safeckpt_error(exc: BaseException) -> BaseException | None:
+    """The safeckpt error behind DCP's ``CheckpointException`` ``exc``: the error itself when
+    every failing rank raised the same kind of portable error (RankMismatch, CorruptCheckpoint,
+    ...), else a :class:`~safeckpt.RankFailure` naming each rank's error; None when ``exc`` is
+    not a CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict):
+        return None
+    errors = {r: (f[0] if isinstance(f, tuple) else f) for r, f in failures.items()}
+    kinds = {type(e) for e in errors.values()}
+    if len(kinds) == 1:
+        first = next(iter(errors.values()))
+        if isinstance(first, PORTABLE_ERRORS):
+            return first
+    return RankFailure(
+        "torch.distributed.checkpoint failed on rank(s) "
+        + ", ".join(map(str, sorted(errors))) + ": "
+        + "; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    for r, e in sorted(errors.items())),
+        failures={r: f"{type(e).__name__}: {e}" for r, e in errors.items()},
+    )
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Within the block, DCP's ``CheckpointException`` becomes the safeckpt error behind it
+    (e.g. :class:`~safeckpt.RankMismatch` on every rank for ranks given different paths)::
+
+        with safeckpt.dcp.translate_errors():
+            dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path))
+    """
+    try:
+        yield
+    except BaseException as exc:
+        err = safeckpt_error(exc)
+        if err is None:
+            raise
+        raise err from exc
