@@ -17,9 +17,11 @@ import weakref
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
+from . import _frozen
 from ._async import AsyncSaver
 from ._catalog import committed, remove_entry, scan, step_dirname, sweep
 from ._dist import Coordinator, resolve_timeout
+from ._frozen import check_frozen_mode
 from ._load import load
 from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
@@ -50,6 +52,13 @@ class CheckpointManager:
         lease: seconds after its last heartbeat that a crashed writer's lock expires.
         storage_options: for a URL root, the fsspec filesystem's options (endpoint,
             credentials, ...; see the README's "Remote roots"); ignored for local roots.
+        retention: an object with ``delete(checkpoints, protect) -> steps`` (as
+            :meth:`RetentionPolicy.delete`) used instead of the keep_* arguments, e.g. to apply
+            a framework's own rotation rule; ``protect`` holds the step just saved and the
+            restored one, and it may decide to delete the restored one.
+        frozen: ``"fingerprint"`` (default): frozen parameters (``requires_grad=False``) of
+            modules in the state are saved as fingerprints (xxh3 checksum, shape, dtype) and
+            verified on restore; ``"full"``: saved like the rest (see ``safeckpt._frozen``).
     """
 
     def __init__(
@@ -66,9 +75,13 @@ class CheckpointManager:
         preemption_signals: Iterable[int] = DEFAULT_SIGNALS,
         lease: float = DEFAULT_LEASE,
         storage_options: Mapping[str, Any] | None = None,
+        retention: Any = None,
+        frozen: str = "fingerprint",
     ) -> None:
         self.root = resolve(root)
-        self.policy = RetentionPolicy(keep_last, keep_best, best_metric, best_mode, keep_every)
+        self.policy = retention if retention is not None else RetentionPolicy(
+            keep_last, keep_best, best_metric, best_mode, keep_every)
+        self.frozen = check_frozen_mode(frozen)
         self.timeout = resolve_timeout(timeout)
         # fsspec and the scheme's package are installed, or a clear error now
         self._options = dict(storage_options) if storage_options is not None else None
@@ -101,12 +114,18 @@ class CheckpointManager:
     def _coord(self, purpose: str = "main", what: str = "checkpoint") -> Coordinator:
         return Coordinator(self.timeout, purpose=purpose, what=what)
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True,
+                deep: bool = False) -> int | None:
         """Load the newest committed checkpoint that loads cleanly (or ``step``) into ``state``.
 
         Returns its step, or None when the root holds no checkpoint (a fresh run). A checkpoint
         that fails verification is skipped with a warning naming the reason, on every rank
         together; if every one fails, CorruptCheckpoint is raised rather than starting fresh.
+
+        ``deep=True`` checks every byte of a candidate's data (on the coordinator) before
+        loading it, so a checkpoint is picked only if all of it verifies, not just the entries
+        ``state`` asks for: for callers that load ``state`` (a few entries) now and the rest
+        later, and must not pick a checkpoint whose other entries are damaged.
         """
         self._check_open()
         self.wait()
@@ -129,9 +148,23 @@ class CheckpointManager:
         reasons = list(picked.get("damaged", []))
         if step is not None and not picked["candidates"] and not reasons:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
+        live_frozen = _frozen.has_frozen(state)
         for cand_step, path in picked["candidates"]:
             try:
-                load(path, state, strict=strict, timeout=self.timeout, storage_options=self._options)
+                if deep:
+                    problems = coord.run("deep-verify", lambda p=path: verify_on(
+                        self._store, p, deep=True).problems if coord.is_coordinator else None)[0]
+                    if problems:
+                        raise CorruptCheckpoint(f"{path}: " + "; ".join(problems[:5]), path=path)
+                target = None
+                if live_frozen:
+                    target = _frozen.for_load(state, coord.run("layout", lambda p=path: (
+                        _frozen.saved_has_fingerprints(p, self._store) if coord.is_coordinator
+                        else None))[0])
+                load(path, state if target is None else target, strict=strict, timeout=self.timeout,
+                     storage_options=self._options)
+                if target is not None:
+                    _frozen.copy_back(state, target)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 # A reason of the checkpoint (damaged, or deleted under us): the state is
                 # unchanged (loads check everything before touching it), so try an older one.
@@ -191,6 +224,7 @@ class CheckpointManager:
         path = join(self.root, step_dirname(step))
         coord = self._coord(what=f"save of step {step} to {path}")
         coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
+        state = _frozen.for_save(state, self.frozen)
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
         if self._saver is None:
             with paused_gc():  # the caller waits for all of it (see _SaveJob.run)
@@ -229,6 +263,14 @@ class CheckpointManager:
         for s in doomed:
             remove_entry(by_step[s], self._store)
         return doomed
+
+    def retain(self) -> list[int]:
+        """Apply the retention policy now (collective; it also runs after every save).
+        Returns the deleted steps."""
+        self._check_open()
+        self.wait()
+        coord = self._coord(what=f"retention under {self.root}")
+        return coord.run("retain", lambda: self._retain(coord.is_coordinator))[0]
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the pending background save is committed; raise its error if it failed."""
