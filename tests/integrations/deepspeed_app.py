@@ -33,7 +33,7 @@ class Net(nn.Module):
         return self.out(torch.relu(self.frozen(torch.relu(self.inp(x)))))
 
 
-def make_engine(stage: int, seed: int, *, install: bool = True) -> Any:
+def make_engine(stage: int, seed: int, *, install: bool = True, config: dict[str, Any] | None = None) -> Any:
     """A DeepSpeed engine (ZeRO ``stage``) over a fresh Net initialised from ``seed``."""
     import deepspeed
 
@@ -50,6 +50,7 @@ def make_engine(stage: int, seed: int, *, install: bool = True) -> Any:
         "zero_optimization": {"stage": stage},
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
+        **(config or {}),
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
     if install:

@@ -120,7 +120,6 @@ def _check_errors(engine, d: str, rank: int) -> dict:
     before = (app.visible(d), app.read_latest(d))
     res = {
         "not_json": dist_harness.attempt(lambda: engine.save_checkpoint(d, tag="bad", client_state={"x": object()})),
-        "tags_differ": dist_harness.attempt(lambda: engine.save_checkpoint(d, tag=f"rank{rank}")),
         "unsafe_tag": dist_harness.attempt(lambda: engine.save_checkpoint(d, tag="../escape")),
     }
     res["unchanged"] = (app.visible(d), app.read_latest(d), app.hidden(d)) == (*before, [])
@@ -359,7 +358,6 @@ def test_zero_1_2_3_kill_resume_resave_export(tmp_path):
     for v in values:
         e = v[1]["errors"]
         assert not e["not_json"]["ok"] and "cannot checkpoint" in e["not_json"]["msg"], e["not_json"]
-        assert "RankMismatch" in e["tags_differ"]["mro"], e["tags_differ"]
         assert not e["unsafe_tag"]["ok"] and "tag" in e["unsafe_tag"]["msg"], e["unsafe_tag"]
         assert e["unchanged"] and not e["escaped"], e
         assert e["after"]["ok"] and e["latest_after"] == "after", e
@@ -374,7 +372,8 @@ def test_zero_1_2_3_kill_resume_resave_export(tmp_path):
         assert "allow_pickle=True" in v[1]["stock_refused"]["msg"], v[1]["stock_refused"]
         assert v[1]["stock_loaded"] == ("resave", []), v[1]["stock_loaded"]
     b16 = [v[1]["16bit"] for v in values]
-    assert not b16[0]["bin"]["ok"] and "model.safetensors" in b16[0]["bin"]["msg"], b16[0]
-    assert b16[1]["bin"]["ok"] and all(b["st"]["ok"] for b in b16), b16  # only rank 0 writes
+    for b in b16:  # the refusal is raised on every rank (issue 22), the write is rank 0's
+        assert not b["bin"]["ok"] and "model.safetensors" in b["bin"]["msg"], b
+        assert b["st"]["ok"], b
     assert b16[0]["equal"] and b16[0]["files"] == ["model.safetensors"], b16[0]
     assert values[0]["codec"]

@@ -119,6 +119,53 @@ def get_fp32_state_dict(
     return sd
 
 
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None,
+    exclude_frozen_parameters: bool = False, lazy_mode: bool = False,
+) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, same signature,
+    for a checkpoint saved by safeckpt (``lazy_mode`` is accepted; the tensors are real)."""
+    return get_fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+def is_safeckpt_checkpoint(checkpoint_dir: Any) -> bool:
+    """A save directory holding safeckpt tags, or one such tag (offline, cheap)."""
+    try:
+        d = os.fspath(checkpoint_dir)
+    except TypeError:
+        return False
+    if os.path.isfile(os.path.join(d, INDEX)):
+        return True
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return False
+    return any(os.path.isfile(os.path.join(d, n, INDEX)) for n in names if not n.startswith("."))
+
+
+def serve_zero_to_fp32() -> None:
+    """Make DeepSpeed's ``deepspeed.utils.zero_to_fp32`` functions (what ``zero_to_fp32.py``,
+    Hugging Face's ``load_state_dict_from_zero_checkpoint`` and
+    ``convert_zero_checkpoint_to_fp32_state_dict`` call) read safeckpt checkpoints: a directory
+    holding safeckpt tags goes to :func:`get_fp32_state_dict_from_zero_checkpoint`, any other
+    to DeepSpeed's own function, unchanged. Idempotent."""
+    from deepspeed.utils import zero_to_fp32 as z2f
+
+    original = z2f.get_fp32_state_dict_from_zero_checkpoint
+    if getattr(original, "_safeckpt", False):
+        return
+
+    def dispatch(checkpoint_dir: Any, tag: Any = None, exclude_frozen_parameters: bool = False,
+                 lazy_mode: bool = False) -> Any:
+        if is_safeckpt_checkpoint(checkpoint_dir):
+            return get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+        return original(checkpoint_dir, tag, exclude_frozen_parameters, lazy_mode)
+
+    dispatch._safeckpt = True  # type: ignore[attr-defined]
+    dispatch.__doc__ = original.__doc__
+    z2f.get_fp32_state_dict_from_zero_checkpoint = dispatch
+
+
 def export(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -165,11 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exclude-frozen-parameters", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
+    if os.path.lexists(a.out) and not a.overwrite and not (a.hf and os.path.isdir(a.out) and not os.listdir(a.out)):
+        print(f"error: {a.out} exists; pass --overwrite to replace it", file=sys.stderr)
+        return CheckpointExists.exit_code
     try:
         for path in export(a.src, a.out, tag=a.tag, hf=a.hf, max_shard_size=a.max_shard_size,
                            exclude_frozen_parameters=a.exclude_frozen_parameters, overwrite=a.overwrite):
             print(path)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except (CheckpointError, OSError, ValueError) as exc:
+        text = " ".join(str(exc).split()).replace("overwrite=True", "--overwrite")
+        print(f"error: {text}", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, CheckpointError) else 1
     return 0

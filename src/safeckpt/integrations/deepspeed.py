@@ -67,7 +67,13 @@ from ..errors import (
     SafeckptWarning,
 )
 from . import _deepspeed_codec as codec
-from ._deepspeed_export import export, get_fp32_state_dict, main
+from ._deepspeed_export import (
+    export,
+    get_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    main,
+    serve_zero_to_fp32,
+)
 from ._deepspeed_tags import (
     OFFLOAD_DIR,
     Coordinator,
@@ -95,8 +101,10 @@ from ._deepspeed_tags import (
 __all__ = [
     "SafeckptCheckpointEngine",
     "TagInfo",
+    "TagMismatch",
     "export",
     "get_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
     "install",
     "install_on_initialize",
     "list_tags",
@@ -119,6 +127,7 @@ class _Save:
     staging: str
     latest: bool
     engine_info: dict[str, Any]
+    local: str = ""  # save_dir/<this rank's own tag> (differs from final only under WARN/IGNORE)
     files: dict[str, Any] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
@@ -126,6 +135,60 @@ class _Save:
     @property
     def final(self) -> str:
         return os.path.join(self.save_dir, self.tag)
+
+
+class TagMismatch(RankMismatch, AssertionError):
+    """Ranks called ``save_checkpoint`` with different tags under ``tag_validation: FAIL``
+    (an ``AssertionError`` too, the type DeepSpeed's own tag check raises)."""
+
+
+@dataclass
+class _Plain:
+    """One save_16bit_model in progress on this rank: rank 0 writes a hidden temporary file,
+    every rank reports at commit, and only then is it renamed into place (or removed)."""
+
+    coord: Coordinator
+    path: str
+    tmp: str | None = None
+    error: BaseException | None = None
+
+    def write(self, state_dict: Any, path: str) -> None:
+        if self.error is not None:
+            return
+        try:
+            if resolve(path) != self.path:
+                raise CheckpointError(f"DeepSpeed saved {path}, not the agreed {self.path}")
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.tmp = os.path.join(os.path.dirname(self.path),
+                                    f".{os.path.basename(self.path)}.safeckpt-tmp-{os.getpid()}")
+            _save_plain(state_dict, self.path, self.tmp)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank at commit
+            self.error = exc
+
+    def commit(self) -> None:
+        hint = f"{self.path} was not written (an existing file there is unchanged)."
+
+        def report() -> None:
+            if self.error is not None:
+                raise self.error
+
+        def publish() -> None:
+            if self.coord.is_coordinator:
+                if self.tmp is None:
+                    raise CheckpointError("rank 0 saved no weights")
+                from ._deepspeed_tags import fsync_dir
+
+                os.replace(self.tmp, self.path)
+                self.tmp = None
+                fsync_dir(os.path.dirname(self.path))
+
+        try:
+            self.coord.run("16bit-report", report, hint=hint)
+            self.coord.run("16bit-publish", publish, hint=hint)
+        finally:
+            if self.tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.tmp)
 
 
 class SafeckptCheckpointEngine(CheckpointEngine):
@@ -136,26 +199,48 @@ class SafeckptCheckpointEngine(CheckpointEngine):
         super().__init__(None)
         self.name = "SafeckptCheckpointEngine"
         self.timeout = timeout
-        self._request: tuple[bool, dict[str, Any]] | None = None  # set by the save wrapper
-        self._save: _Save | None = None
+        self._save: _Save | None = None  # set by prepare(), for one save_checkpoint
+        self._plain: _Plain | None = None  # set by prepare_plain(), for one save_16bit_model
         self._cache: dict[str, Any] = {}  # files read ahead by load_checkpoint, by path
 
     # ----------------------------------------------------------------- saving
-    def create(self, info: CheckpointCommitInfo) -> None:
-        if self._request is None:
-            self._save = None  # not a save_checkpoint (save_16bit_model): plain files, see save()
-            return
-        latest, engine_info = self._request
-        save_dir, tag = resolve(info.save_dir), str(info.tag)
-        coord = Coordinator(self.timeout, what=f"DeepSpeed save of tag {tag!r} to {save_dir}")
-        asked = coord.run("agree", lambda: {"dir": save_dir, "tag": check_tag(tag)}, hint="Nothing was written.")
-        differ = [f"rank {r}: {a['dir']}/{a['tag']}" for r, a in enumerate(asked) if a != asked[0]]
-        if differ:
+    def prepare(self, save_dir: str, tag: str, latest: bool, engine_info: dict[str, Any],
+                validation: str) -> None:
+        """Every rank, before DeepSpeed's save starts: agree on directory and tag (else an error
+        on every rank, nothing written), then the coordinator sweeps leftovers of crashed saves
+        and creates a hidden staging directory next to the tag; every rank checks it sees it.
+
+        ``validation`` is DeepSpeed's ``checkpoint.tag_validation``: with ``FAIL`` ranks giving
+        different tags raise :class:`TagMismatch` (an ``AssertionError`` too, as DeepSpeed's
+        own check raises); with ``WARN`` (warned) or ``IGNORE`` every rank's files are saved
+        under rank 0's tag, so the save stays one atomic tag."""
+        own = str(tag)
+        save_dir = resolve(save_dir)
+        coord = Coordinator(self.timeout, what=f"DeepSpeed save to {save_dir}")
+        asked = coord.run("agree", lambda: {"dir": save_dir, "tag": own}, hint="Nothing was written.")
+        rank0 = asked[0]
+        dirs = [f"rank {r}: {a['dir']}" for r, a in enumerate(asked) if a["dir"] != rank0["dir"]]
+        if dirs:
             raise RankMismatch(
-                f"save_checkpoint: ranks were called with different directories or tags (rank 0: "
-                f"{save_dir}/{tag}; {'; '.join(differ)}); nothing was written. Pass the same "
-                "save_dir and tag on every rank."
+                f"save_checkpoint: ranks were called with different directories (rank 0: {rank0['dir']}; "
+                f"{'; '.join(dirs)}); nothing was written. Pass the same save_dir on every rank."
             )
+        tags = [f"rank {r}: {a['tag']!r}" for r, a in enumerate(asked) if a["tag"] != rank0["tag"]]
+        if tags and validation == "FAIL":
+            raise TagMismatch(
+                f"save_checkpoint: ranks were called with different tags (rank 0: {rank0['tag']!r}; "
+                f"{'; '.join(tags)}); nothing was written. Pass the same tag on every rank, or set "
+                "checkpoint.tag_validation to WARN or IGNORE to save every rank's files under "
+                "rank 0's tag."
+            )
+        if tags and validation == "WARN":
+            warnings.warn(
+                f"save_checkpoint: ranks were called with different tags (rank 0: {rank0['tag']!r}; "
+                f"{'; '.join(tags)}); tag_validation is WARN, so every rank's files are saved under "
+                f"rank 0's tag {rank0['tag']!r}.", SafeckptWarning, stacklevel=4,
+            )
+        tag = check_tag(rank0["tag"])
+        coord.what = f"DeepSpeed save of tag {tag!r} to {save_dir}"
 
         def stage() -> str | None:
             if not coord.is_coordinator:
@@ -174,23 +259,53 @@ class SafeckptCheckpointEngine(CheckpointEngine):
             if coord.is_coordinator:
                 remove_tree(staging)
             raise
-        self._save = _Save(coord, save_dir, tag, staging, latest, engine_info)
+        self._save = _Save(coord, save_dir, tag, staging, latest, engine_info,
+                           local=os.path.join(save_dir, own))
+
+    def prepare_plain(self, save_dir: str, filename: str) -> None:
+        """Every rank, before ``save_16bit_model`` gathers anything: agree on the target and
+        refuse a pickle file name on every rank together."""
+        path = os.path.join(resolve(save_dir), str(filename))
+        coord = Coordinator(self.timeout, what=f"DeepSpeed save_16bit_model to {path}")
+        asked = coord.run("agree-16bit", lambda: path, hint="Nothing was written.")
+        if any(a != asked[0] for a in asked):
+            raise RankMismatch(
+                "save_16bit_model: ranks were called with different targets ("
+                + "; ".join(f"rank {r}: {a}" for r, a in enumerate(asked))
+                + "); nothing was written. Pass the same save_dir and save_filename on every rank."
+            )
+        if not path.endswith(".safetensors"):
+            raise CheckpointError(
+                f"with safeckpt installed, save_16bit_model writes safetensors, not pickles: pass "
+                f"save_filename='model.safetensors' (got {os.path.basename(path)!r}); nothing was written"
+            )
+        self._plain = _Plain(coord, path)
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        # The agreement ran in prepare()/prepare_plain(), before DeepSpeed acted. A create()
+        # without either is a save that does not go through the installed methods: plain files.
+        return
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        if self._save is not None and resolve(path) == self._save.final:
+        if self._save is not None and resolve(path) in (self._save.final, self._save.local):
             return  # the tag directory appears at commit; files go to the staging directory
+        if self._plain is not None:
+            return  # save_16bit_model: rank 0 creates the directory when it writes
         os.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict: Any, path: str) -> None:
+        if self._plain is not None:
+            self._plain.write(state_dict, path)
+            return
         s = self._save
         if s is None:
-            _save_plain(state_dict, path)
+            _save_plain(state_dict, path, path)
             return
         if s.error is not None:
             return
         try:
             name = os.path.basename(path)
-            if resolve(os.path.dirname(path)) != s.final:
+            if resolve(os.path.dirname(path)) not in (s.final, s.local):
                 raise CheckpointError(
                     f"DeepSpeed saved {path}, outside the tag directory {s.final}; safeckpt can only "
                     "publish files inside the tag atomically"
@@ -217,6 +332,10 @@ class SafeckptCheckpointEngine(CheckpointEngine):
             s.error = exc
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
+        plain, self._plain = self._plain, None
+        if plain is not None:
+            plain.commit()
+            return True
         s, self._save = self._save, None
         if s is None:
             return True
@@ -304,8 +423,10 @@ def read_file(path: str) -> dict[str, Any]:
         ) from None
 
 
-def _save_plain(state_dict: Any, path: str) -> None:
-    """``save_16bit_model``: one plain safetensors file, written atomically (rank 0)."""
+def _save_plain(state_dict: Any, path: str, tmp: str) -> None:
+    """``save_16bit_model``'s weights as one plain safetensors file written to ``tmp`` and
+    fsynced (its caller renames it into place), or with ``tmp == path`` written next to it and
+    renamed at once."""
     if not str(path).endswith(".safetensors"):
         raise CheckpointError(
             f"with safeckpt installed, save_16bit_model writes safetensors, not pickles: pass "
@@ -321,12 +442,14 @@ def _save_plain(state_dict: Any, path: str) -> None:
         v = v.detach().cpu().contiguous()
         tensors[k] = v.clone() if v.data_ptr() in seen else v  # tied weights: own bytes
         seen.add(v.data_ptr())
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    with open(tmp, "rb+") as f:
+    own_tmp = tmp == path
+    out = f"{path}.tmp-{os.getpid()}" if own_tmp else tmp
+    save_file(tensors, out, metadata={"format": "pt"})
+    with open(out, "rb+") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if own_tmp:
+        os.replace(out, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _copy_containers(obj: Any) -> Any:
@@ -393,6 +516,7 @@ def install(engine: Any, *, timeout: float | None = None) -> SafeckptCheckpointE
     engine.checkpoint_engine = ce
     engine.save_checkpoint = MethodType(_save_checkpoint_method, engine)
     engine.load_checkpoint = MethodType(_load_checkpoint_method, engine)
+    engine.save_16bit_model = MethodType(_save_16bit_model_method, engine)
     engine._copy_recovery_script = lambda save_path: None  # zero_to_fp32.py cannot read this format
     return ce
 
@@ -455,10 +579,20 @@ def _engine_info(engine: Any) -> dict[str, Any]:
             "deepspeed_version": deepspeed.__version__}
 
 
+def _tag_validation(engine: Any) -> str:
+    if not engine.checkpoint_tag_validation_enabled():
+        return "IGNORE"
+    return "FAIL" if engine.checkpoint_tag_validation_fail() else "WARN"
+
+
 def _save_checkpoint_method(self: Any, save_dir: str, tag: Any = None, client_state: Any = None,
                             save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     ce = _installed(self)
-    ce._request = (bool(save_latest), _engine_info(self))
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+    tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+    # Agree first (an error here is raised on every rank, nothing written), then let DeepSpeed act.
+    ce.prepare(save_dir, tag, bool(save_latest), _engine_info(self), _tag_validation(self))
     try:
         with _own_offload_copy(self, ce):
             # save_latest=False: DeepSpeed would rewrite `latest` in place; commit writes it atomically
@@ -467,14 +601,34 @@ def _save_checkpoint_method(self: Any, save_dir: str, tag: Any = None, client_st
                                               exclude_frozen_parameters=exclude_frozen_parameters)
     except Exception as exc:
         if ce._save is not None:
-            # DeepSpeed raised here between create and commit: the other ranks may be waiting
-            # in commit, so finish it with this error (raised on every rank, staging removed).
+            # DeepSpeed raised here before commit: the other ranks may be waiting in commit, so
+            # finish it with this error (raised on every rank, staging removed).
             ce._save.error = ce._save.error or exc
             ce.commit(None)  # type: ignore[arg-type]
         raise
     finally:
-        ce._request = None
         ce._save = None
+
+
+def _save_16bit_model_method(self: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                             exclude_frozen_parameters: bool = False) -> bool:
+    ce = _installed(self)
+    ce.prepare_plain(save_dir, save_filename)  # agreed, and refused on every rank together
+    try:
+        saved = type(self).save_16bit_model(self, save_dir, save_filename,
+                                            exclude_frozen_parameters=exclude_frozen_parameters)
+        if ce._plain is not None:  # DeepSpeed returned without saving (ZeRO-3 not gathering)
+            ce._plain = None
+        return saved
+    except Exception as exc:
+        if ce._plain is not None:
+            # raised here before commit (in the gather, or rank 0's write): tell the others,
+            # who wait in commit, and raise the same error everywhere
+            ce._plain.error = ce._plain.error or exc
+            ce.commit(None)  # type: ignore[arg-type]
+        raise
+    finally:
+        ce._plain = None
 
 
 def _load_checkpoint_method(self: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -537,9 +691,17 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike[str], tag: str | No
             warnings.warn(f"tag {cand} in {load_dir} does not load, trying an older one: {exc}",
                           SafeckptWarning, stacklevel=2)
             continue
-        try:
+        box: dict[str, Any] = {}
+
+        def apply(cand: str = cand, tag_dir: str = tag_dir, box: dict[str, Any] = box) -> None:
             with _zero3_weights_from(engine, tag_dir):
-                return type(engine).load_checkpoint(engine, load_dir, tag=cand, **kwargs)
+                box["out"] = type(engine).load_checkpoint(engine, load_dir, tag=cand, **kwargs)
+
+        try:
+            # DeepSpeed's own load, then one exchange: an error on any rank is raised on all
+            coord.run("apply", apply, hint=f"DeepSpeed failed to apply tag {cand}; the engine may be "
+                      "partly loaded on some ranks: load again before training.")
+            return box["out"]
         finally:
             ce._cache.clear()
     if reasons:
@@ -584,6 +746,8 @@ def _load_stock(engine: Any, load_dir: str, tag: str | None, **kwargs: Any) -> t
     finally:
         engine.checkpoint_engine = ce
 
+
+serve_zero_to_fp32()  # DeepSpeed's own zero_to_fp32 functions read safeckpt tags from now on
 
 if __name__ == "__main__":
     raise SystemExit(main())
