@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import __version__, _commit
+from ._catalog import parse_step
 from ._dcp_format import (
     DCP_FILE,
     MANIFEST_KEY,
@@ -81,7 +82,6 @@ from ._dcp_format import (
 )
 from ._manifest import (
     FORMAT,
-    FORMAT_VERSION,
     dtype_code,
     encode_manifest,
     open_regular,
@@ -105,6 +105,10 @@ from .errors import (
 )
 
 __all__ = ["StorageReader", "StorageWriter", "translate_errors"]
+
+# The manifest format written here: 2, which every safeckpt release reads (the core save may
+# move to a newer format; this module keeps writing the one all readers accept).
+MANIFEST_FORMAT_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- what crosses ranks
@@ -204,13 +208,17 @@ class StorageWriter(_dcp.StorageWriter):
     atomically (the old one stays until the new one is committed); without it an existing
     checkpoint raises :class:`~safeckpt.CheckpointExists`. An existing *empty* directory is
     not in the way. ``metadata``: JSON stored in the manifest (``safeckpt inspect`` shows it).
+    ``step``: the training step recorded in the manifest; by default taken from a directory
+    named as CheckpointManager names them (``step-0000000100``), so a manager, ``safeckpt ls``
+    and ``safeckpt gc`` see the step of checkpoints saved under a manager root.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
-                 metadata: Mapping[str, Any] | None = None) -> None:
+                 metadata: Mapping[str, Any] | None = None, step: int | None = None) -> None:
         super().__init__()
         self.path = _local_path(path, "safeckpt.dcp.StorageWriter")
         self.overwrite = bool(overwrite)
+        self.step = step
         self.metadata = dict(metadata or {})
         encode_value(self.metadata, "metadata")  # JSON or a clear error now, not at commit
         self.is_coordinator = False
@@ -265,6 +273,9 @@ class StorageWriter(_dcp.StorageWriter):
         self._staging = _Staging(self.path, begun["path"], begun["token"])
         return [dataclasses.replace(p, storage_data=self._staging) for p in plans]
 
+    def _step(self) -> int | None:
+        return self.step if self.step is not None else parse_step(os.path.basename(self.path))
+
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         staging = plan.storage_data
@@ -288,7 +299,8 @@ class StorageWriter(_dcp.StorageWriter):
         if staging is None:
             raise CheckpointError("safeckpt.dcp: finish() without a staged save on the coordinator")
         try:
-            _commit_save(staging, metadata, results, overwrite=self.overwrite, user=self.metadata)
+            _commit_save(staging, metadata, results, overwrite=self.overwrite, user=self.metadata,
+                         step=self._step())
         except BaseException:
             self._drop_staging()
             raise
@@ -386,7 +398,7 @@ def _properties(p: TensorProperties) -> dict[str, Any]:
 
 
 def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[WriteResult]], *,
-                 overwrite: bool, user: dict[str, Any]) -> None:
+                 overwrite: bool, user: dict[str, Any], step: int | None) -> None:
     """Coordinator: check every rank's file, write DCP metadata and manifest, publish."""
     files: dict[str, Any] = {}
     chunks: dict[str, list[_Stored]] = {}
@@ -464,8 +476,8 @@ def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[Write
     now = time.time()
     man = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "step": None,
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "step": step,
         "world_size": max(1, len(results)),
         "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "created_unix": now,

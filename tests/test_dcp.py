@@ -1,0 +1,425 @@
+"""safeckpt.dcp: torch.distributed.checkpoint's dcp.save / async_save / load through safeckpt.
+
+Real DCP, real processes (gloo on 127.0.0.1, hard timeouts from tests.dist_harness). Each
+multi-rank run does several things, so the file stays quick on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import safeckpt
+from tests import dist_harness
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+import safeckpt.dcp  # noqa: E402  (after the skip: needs torch.distributed.checkpoint)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 5), nn.ReLU(), nn.Linear(5, 1))
+
+
+def _fsdp(seed: int, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        x = torch.randn(8, 12, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(value):
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor()
+    return value
+
+
+def _teardown(*objs) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    del objs
+    gc.collect()
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------- 4 ranks: save
+def _save_4(rank, world, root):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _fsdp(0, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "trainer": {"epoch": 3, "betas": (0.9, 0.99), "name": "run-1"}}
+    path = os.path.join(root, "ckpt")
+    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path, metadata={"job": "t"}))
+    full = {k: _full(v).clone() for k, v in msd.items()}
+    exp_avg = {k: _full(v["exp_avg"]).clone() for k, v in osd["state"].items()}
+
+    # async_save, thread mode, to another path, with the same writer class
+    fut = dcp.async_save(state, storage_writer=safeckpt.dcp.StorageWriter(os.path.join(root, "async")))
+    fut.result(timeout=60)
+
+    # Field report 5: each rank computes its own path from its clock -> different paths.
+    own = os.path.join(root, f"report5-{rank}")
+    t0 = time.monotonic()
+    report5 = dist_harness.attempt(lambda: _translated_save(state, own))
+    report5["elapsed"] = time.monotonic() - t0
+    try:
+        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(own))
+        raw = {"ok": True}
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raw = {"type": type(exc).__name__, "msg": str(exc),
+               "inner": [type(f[0]).__name__ for f in exc.failures.values()]}
+    dist.barrier()
+    _teardown(model, opt)
+    return {"full": full if rank == 0 else None, "exp_avg": exp_avg if rank == 0 else None,
+            "report5": report5, "raw": raw}
+
+
+def _translated_save(state, path):
+    with safeckpt.dcp.translate_errors():
+        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path))
+
+
+# ----------------------------------------------------------------------------- 2 ranks: load
+def _load_2(rank, world, root):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _fsdp(1, world)  # other init: everything must come from the checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    _train(model, opt, 1)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "trainer": {"epoch": 0, "betas": None, "name": ""}}
+    dcp.load(state, storage_reader=safeckpt.dcp.StorageReader(os.path.join(root, "ckpt")))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd2, osd2 = get_state_dict(model, opt)
+    out = {
+        "full": {k: _full(v).clone() for k, v in msd2.items()},
+        "exp_avg": {k: _full(v["exp_avg"]).clone() for k, v in osd2["state"].items()},
+        "lr": osd2["param_groups"][0]["lr"],
+        "trainer": state["trainer"],
+    }
+    # the async (thread) checkpoint loads too
+    again = {"model": get_state_dict(model, opt)[0]}
+    dcp.load(again, storage_reader=safeckpt.dcp.StorageReader(os.path.join(root, "async")))
+    out["async_equal"] = all(torch.equal(_full(again["model"][k]), out["full"][k]) for k in out["full"])
+    # ranks reading different paths: RankMismatch on every rank, nothing read
+    try:
+        with safeckpt.dcp.translate_errors():
+            dcp.load(again, storage_reader=safeckpt.dcp.StorageReader(
+                os.path.join(root, "ckpt" if rank == 0 else "async")))
+        out["load_mismatch"] = "no error"
+    except safeckpt.RankMismatch as exc:
+        out["load_mismatch"] = str(exc)
+    _teardown(model, opt)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dcp4"))
+    outs = dist_harness.run(_save_4, 4, root, timeout=150)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message, o.exitcode)
+    return root, [o.value for o in outs]
+
+
+def test_fsdp2_save_at_4_is_a_safeckpt_checkpoint(saved4):
+    root, outs = saved4
+    ckpt = os.path.join(root, "ckpt")
+    assert sorted(os.listdir(root)) == ["async", "ckpt"]  # report 5's paths: nothing at all
+    assert sorted(os.listdir(ckpt)) == ["dcp_metadata.json", "manifest.json"] + [
+        f"rank-0000{r}.safetensors" for r in range(4)]
+    report = safeckpt.verify(ckpt)
+    assert report.ok, report.problems
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    assert man["format_version"] == 2 and man["world_size"] == 4
+    assert man["metadata"]["job"] == "t"
+    assert man["tensors"]["model/0.weight"]["scope"] == "sharded"
+    assert len(man["tensors"]["model/0.weight"]["chunks"]) == 4
+    flat = safeckpt.read_state_dict(ckpt)
+    full = outs[0]["full"]
+    for k, v in full.items():
+        assert torch.equal(flat[f"model/{k}"], v), k
+    for k, v in outs[0]["exp_avg"].items():
+        assert torch.equal(flat[f"optim/state/{k}/exp_avg"], v), k
+    assert flat["trainer/epoch"] == 3 and flat["trainer/betas"] == (0.9, 0.99)
+    assert flat["optim/param_groups"][0]["lr"] == 0.01
+    # no pickle anywhere in the checkpoint: JSON and safetensors only
+    for name in os.listdir(ckpt):
+        with open(os.path.join(ckpt, name), "rb") as f:
+            head = f.read(2)
+        assert head[:1] != b"\x80", name  # pickle protocol 2+ opcode PROTO
+    json.load(open(os.path.join(ckpt, "dcp_metadata.json")))
+
+
+def test_field_report_5_per_rank_paths_raise_rank_mismatch_everywhere(saved4):
+    root, outs = saved4
+    for rank, o in enumerate(outs):
+        r5 = o["report5"]
+        assert not r5["ok"] and r5["type"] == "RankMismatch", (rank, r5)
+        for r in range(4):
+            assert f"report5-{r}" in r5["msg"], r5["msg"]
+        assert "rank 0" in r5["msg"] and "rank 3" in r5["msg"]
+        assert r5["elapsed"] < 30
+        raw = o["raw"]  # without translate_errors: DCP's CheckpointException carrying it
+        assert raw["type"] == "CheckpointException" and raw["inner"] == ["RankMismatch"], raw
+        assert "different checkpoint paths" in raw["msg"]
+    assert not [n for n in os.listdir(root) if "report5" in n]  # nothing written, no staging
+
+
+def test_load_at_2_ranks_and_async_checkpoint(saved4):
+    root, outs4 = saved4
+    outs = dist_harness.run(_load_2, 2, root, timeout=120)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+    for o in outs:
+        v = o.value
+        for k, t in outs4[0]["full"].items():
+            assert torch.equal(v["full"][k], t), k
+        for k, t in outs4[0]["exp_avg"].items():
+            assert torch.equal(v["exp_avg"][k], t), k
+        assert v["lr"] == 0.01
+        assert v["trainer"] == {"epoch": 3, "betas": (0.9, 0.99), "name": "run-1"}
+        assert v["async_equal"]
+        assert "different checkpoint paths" in v["load_mismatch"], v["load_mismatch"]
+
+
+def test_load_at_1_process_into_a_plain_model_without_unpickling(saved4, monkeypatch):
+    root, outs4 = saved4
+    model = _model(5)
+    state = {"model": model.state_dict(), "trainer": {"epoch": 0, "betas": None, "name": ""}}
+    _forbid_unpickling(monkeypatch)
+    dcp.load(state, storage_reader=safeckpt.dcp.StorageReader(os.path.join(root, "ckpt")))
+    for k, t in outs4[0]["full"].items():
+        assert torch.equal(model.state_dict()[k], t), k
+    assert state["trainer"] == {"epoch": 3, "betas": (0.9, 0.99), "name": "run-1"}
+
+
+def _forbid_unpickling(monkeypatch):
+    import pickle
+
+    def refuse(*a, **k):
+        raise AssertionError("unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+
+
+def test_forbid_unpickling_catches_dcp_own_reader(tmp_path, monkeypatch):
+    """The no-pickle check above can fail: DCP's own FileSystemReader trips it."""
+    state = {"w": torch.ones(3), "epoch": 4}
+    dcp.save(state, checkpoint_id=str(tmp_path / "fs"), no_dist=True)
+    _forbid_unpickling(monkeypatch)
+    with pytest.raises(BaseException, match="unpickled something"):
+        dcp.load({"w": torch.zeros(3), "epoch": 0}, checkpoint_id=str(tmp_path / "fs"), no_dist=True)
+
+
+def test_cli_reads_a_dcp_checkpoint(saved4, tmp_path, capsys):
+    from safeckpt import cli
+
+    ckpt = os.path.join(saved4[0], "ckpt")
+    assert cli.main(["verify", ckpt]) == 0
+    assert cli.main(["inspect", ckpt]) == 0
+    assert "model/0.weight" in capsys.readouterr().out
+    out = tmp_path / "model.safetensors"
+    assert cli.main(["consolidate", ckpt, "-o", str(out), "--only", "model"]) == 0
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(out))
+    for k, t in saved4[1][0]["full"].items():
+        assert torch.equal(loaded[k], t), k
+
+
+# ----------------------------------------------------------------------------- crash
+def _crash(rank, world, root):
+    import torch.distributed as dist
+
+    from safeckpt import _shardfile
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(1 << 18), "b": torch.randn(1 << 18), "step": 1}
+    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(os.path.join(root, "good")))
+    dist.barrier()
+    if rank == 1:
+        real = _shardfile._write_all
+
+        def die_midway(fd, bufs):
+            total = sum(len(b) for b in bufs)
+            if total > 1 << 16:  # a data piece, not the header: write half of it, then die
+                os.write(fd, bytes(bufs[0][: len(bufs[0]) // 2]))
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(fd, bufs)
+
+        _shardfile._write_all = die_midway
+    state["step"] = 2
+    state["w"].add_(1)
+    t0 = time.monotonic()
+    try:
+        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(os.path.join(root, "next")))
+        return {"ok": True}
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "type": type(exc).__name__, "elapsed": time.monotonic() - t0}
+
+
+def test_sigkill_mid_write_leaves_previous_loadable_and_nothing_visible(tmp_path):
+    root = str(tmp_path)
+    outs = dist_harness.run(_crash, 2, root, timeout=90, pg_timeout=30)
+    assert outs[1].exitcode == -signal.SIGKILL, outs[1]
+    assert outs[0].value is not None and not outs[0].value["ok"], outs[0]
+    assert outs[0].value["elapsed"] < 25, outs[0].value
+    assert not os.path.exists(os.path.join(root, "next"))
+    leftovers = dist_harness.leftovers(root)
+    assert all(n.startswith(".next.safeckpt-staging-") for n in leftovers), leftovers
+    assert safeckpt.verify(os.path.join(root, "good")).ok
+    torch.manual_seed(0)
+    w, b = torch.randn(1 << 18), torch.randn(1 << 18)
+    target = {"w": torch.zeros(1 << 18), "b": torch.zeros(1 << 18), "step": 0}
+    dcp.load(target, storage_reader=safeckpt.dcp.StorageReader(os.path.join(root, "good")))
+    assert torch.equal(target["w"], w) and torch.equal(target["b"], b) and target["step"] == 1
+    from safeckpt import cli
+
+    assert cli.main(["gc", root]) == 0  # the crashed save's staging is swept
+    assert dist_harness.leftovers(root) == []
+
+
+# ----------------------------------------------------------------------------- single process
+def _save1(path, state, **kw):
+    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path, **kw), no_dist=True)
+
+
+def _state():
+    torch.manual_seed(3)
+    return {"model": {"w": torch.randn(64, 8), "b": torch.randn(8).to(torch.bfloat16)},
+            "meta": {"epoch": 2, "tags": ["a", "b"], "inf": float("inf"), "pairs": ({1: "x"}, None)}}
+
+
+def test_damage_is_corrupt_checkpoint_and_target_untouched(tmp_path):
+    path = str(tmp_path / "c")
+    _save1(path, _state())
+    data = os.path.join(path, "rank-00000.safetensors")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:  # flip one byte of tensor data (the tail of the file)
+        f.seek(size - 5)
+        byte = f.read(1)
+        f.seek(size - 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    target = {"model": {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.bfloat16)}}
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="checksum mismatch"):
+        with safeckpt.dcp.translate_errors():
+            dcp.load(target, storage_reader=safeckpt.dcp.StorageReader(path), no_dist=True)
+    assert not target["model"]["w"].any() and not target["model"]["b"].any()  # nothing copied
+    assert not safeckpt.verify(path).ok
+
+
+@pytest.mark.parametrize("victim", ["dcp_metadata.json", "manifest.json"])
+def test_damaged_metadata_is_corrupt_checkpoint(tmp_path, victim):
+    path = str(tmp_path / "c")
+    _save1(path, _state())
+    p = os.path.join(path, victim)
+    raw = bytearray(open(p, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    open(p, "wb").write(bytes(raw))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"model": {"w": torch.zeros(64, 8)}}, storage_reader=safeckpt.dcp.StorageReader(path), no_dist=True)
+    # single process: DCP re-raises what set_up_storage_reader raised
+    err = safeckpt.dcp.safeckpt_error(info.value) or info.value
+    assert isinstance(err, safeckpt.CorruptCheckpoint), repr(info.value)
+
+
+def test_values_round_trip_as_json_and_objects_are_refused(tmp_path):
+    path = str(tmp_path / "c")
+    _save1(path, _state())
+    doc = json.load(open(os.path.join(path, "dcp_metadata.json")))
+    # a tuple is one DCP item (DCP would pickle it): JSON with tags here, int keys kept
+    assert doc["entries"]["meta.pairs"] == {"value": {"@tuple": [{"@dict": [[1, "x"]]}, None]}}
+    target = {"model": {"w": torch.zeros(64, 8), "b": torch.zeros(8, dtype=torch.bfloat16)},
+              "meta": {"epoch": 0, "tags": [], "inf": 0.0, "pairs": None}}
+    dcp.load(target, storage_reader=safeckpt.dcp.StorageReader(path), no_dist=True)
+    assert target["meta"] == {"epoch": 2, "tags": ["a", "b"], "inf": float("inf"), "pairs": ({1: "x"}, None)}
+    assert torch.equal(target["model"]["b"], _state()["model"]["b"])
+
+    class Custom:
+        pass
+
+    bad = str(tmp_path / "bad")
+    writer = safeckpt.dcp.StorageWriter(bad)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(2), "obj": Custom()}, storage_writer=writer, no_dist=True)
+    assert "'obj'" in str(info.value) and "JSON" in str(info.value) and "Custom" in str(info.value)
+    assert not os.path.exists(bad)
+    assert len(dist_harness.leftovers(str(tmp_path))) == 1  # hidden, never a checkpoint
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)  # sweeps its own leftover
+    assert dist_harness.leftovers(str(tmp_path)) == [] and safeckpt.verify(bad).ok
+
+
+def test_existing_target_overwrite_and_empty_directory(tmp_path):
+    path = str(tmp_path / "c")
+    os.makedirs(path)  # pre-created, empty (as field report 5's script does): not in the way
+    _save1(path, {"w": torch.ones(3)})
+    with pytest.raises(BaseException) as info:
+        _save1(path, {"w": torch.full((3,), 2.0)})
+    assert isinstance(safeckpt.dcp.safeckpt_error(info.value) or info.value, safeckpt.CheckpointExists)
+    assert torch.equal(safeckpt.read_state_dict(path)["w"], torch.ones(3))
+    _save1(path, {"w": torch.full((3,), 2.0)}, overwrite=True)
+    assert torch.equal(safeckpt.read_state_dict(path)["w"], torch.full((3,), 2.0))
+    assert dist_harness.leftovers(str(tmp_path)) == []
+    # not a safeckpt checkpoint (e.g. DCP's own directory): refused even with overwrite
+    other = str(tmp_path / "fs")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=other, no_dist=True)
+    with pytest.raises(BaseException) as info:
+        _save1(other, {"w": torch.ones(3)}, overwrite=True)
+    assert "not a safeckpt checkpoint" in str(info.value)
+
+
+def test_manager_root_sees_steps(tmp_path):
+    root = str(tmp_path)
+    for step in (10, 20, 30):
+        _save1(os.path.join(root, f"step-{step:010d}"), {"w": torch.full((2,), float(step))})
+    mgr = safeckpt.CheckpointManager(root, keep_last=2)
+    try:
+        assert [i.step for i in mgr.list()] == [10, 20, 30]
+        assert mgr.latest().step == 30
+    finally:
+        mgr.close()
+    from safeckpt import cli
+
+    assert cli.main(["gc", root, "--keep-last", "2"]) == 0
+    assert sorted(os.listdir(root)) == ["step-0000000020", "step-0000000030"]
+
+
+def test_import_does_not_load_dcp():
+    import subprocess
+    import sys
+
+    code = "import sys, safeckpt; print('torch.distributed.checkpoint' in sys.modules, 'safeckpt.dcp' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out
