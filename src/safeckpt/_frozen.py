@@ -152,8 +152,8 @@ class Fingerprints:
                                               for entry, tensors in self.frozen.items()}}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        if not self.loading:
-            return
+        if not self.loading or not sd:
+            return  # not sd: the loader's rollback handing back our (empty) backup
         problems = compare(self.frozen, sd)
         if problems:
             raise IncompatibleCheckpoint(

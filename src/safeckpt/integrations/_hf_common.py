@@ -223,15 +223,39 @@ def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float |
     unlike ``strict=False`` alone, refuses anything missing or mismatched in the entries asked
     for (a missing piece is an error, never a skip).
     """
-    from .. import load
-
-    info = load(path, state, strict=False, timeout=timeout)
+    info = load_checkpoint(path, state, strict=False, timeout=timeout)
     problems = [p for p in info.skipped if not p.startswith("unexpected entry ")]
     if problems:
         raise IncompatibleCheckpoint(
             f"{where}: checkpoint {path} does not fit:\n  " + "\n  ".join(problems[:20])
         )
     return info
+
+
+def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool = True,
+                    timeout: float | None = None) -> Any:
+    """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
+    (``safeckpt._frozen``) into a live model holding those frozen parameters (collective)."""
+    from .. import _frozen, load
+    from .._storage import storage_for
+
+    target = None
+    if _frozen.has_frozen(state):
+        target = _frozen.for_load(state, share_from_rank0(
+            lambda: _frozen.saved_has_fingerprints(path, storage_for(path))))
+    info = load(path, state if target is None else target, strict=strict, timeout=timeout)
+    if target is not None:
+        _frozen.copy_back(state, target)
+    return info
+
+
+def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | None = None,
+                    frozen: str = "fingerprint") -> Any:
+    """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective)."""
+    from .. import _frozen, save
+
+    return save(path, _frozen.for_save(state, _frozen.check_frozen_mode(frozen)), overwrite=True,
+                timeout=timeout)
 
 
 # --------------------------------------------------------------------------- export

@@ -31,7 +31,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .. import CheckpointManager, PerRank, RNGState, load, save
+from .. import CheckpointManager, PerRank, RNGState
 from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound, IncompatibleCheckpoint
 from . import _hf_common as common
 
@@ -140,7 +140,7 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
         if output_dir is None:
             raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
                                   "naming is disabled")
-        path = save(output_dir, state, overwrite=True, timeout=timeout).path
+        path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout).path
     cfg.iteration += 1
     return path
 
@@ -164,7 +164,7 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None
         path = common.step_dir(_root(acc), step)
     else:
         path = os.path.abspath(os.fspath(input_dir))
-        load(path, state, timeout=timeout)
+        common.load_checkpoint(path, state, timeout=timeout)
     _apply(acc, state)
     return path
 

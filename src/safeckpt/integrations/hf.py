@@ -29,15 +29,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
+import weakref
 from typing import Any, TypeVar
 
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import SaveStrategy
 
-from .. import CheckpointManager, RNGState, load
+from .. import CheckpointManager, RNGState
+from .._catalog import parse_step, step_dirname
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -55,39 +59,93 @@ MAX_SIDE_BYTES = 16 << 20
 FORMAT = "safeckpt.hf.trainer/1"
 
 
-class _Hooks(TrainerCallback):
-    """Agreed preemption and the sampler restore, at the moments Trainer offers callbacks."""
+class _Hooks:
+    """Agreed preemption and the sampler restore, at the moments Trainer offers callbacks.
+
+    Not a TrainerCallback in ``callback_handler.callbacks`` (users and Trainer's own tests list
+    those): the trainer's handler is given a subclass that runs these after the callbacks."""
+
+    @staticmethod
+    def install(trainer: SafeckptTrainerMixin) -> None:
+        handler = trainer.callback_handler
+        base = type(handler)
+        if getattr(base, "_safeckpt_hooks", False):
+            return
+        trainer_ref = weakref.ref(trainer)
+
+        def on_train_begin(self: Any, args: Any, state: Any, control: Any) -> Any:
+            control = base.on_train_begin(self, args, state, control)
+            t = trainer_ref()
+            if t is not None and t._safeckpt_sampler is not None:
+                common.restore_sampler(self.train_dataloader, t._safeckpt_sampler, "resume")
+                t._safeckpt_sampler = None
+            return control
+
+        def on_step_end(self: Any, args: Any, state: Any, control: Any) -> Any:
+            control = base.on_step_end(self, args, state, control)
+            t = trainer_ref()
+            mgr = t._safeckpt_mgr if t is not None else None
+            # Collective on every rank at every optimizer step: one tiny all-reduce.
+            if mgr is not None and mgr.preempted:
+                t.safeckpt_preempted = True
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+        handler.__class__ = type(base.__name__, (base,), {
+            "on_train_begin": on_train_begin, "on_step_end": on_step_end,
+            "_safeckpt_hooks": True, "__module__": base.__module__})
+
+
+class _TrainerRotation:
+    """Trainer's ``rotate_checkpoints`` rule as a manager retention policy: keep at most
+    ``save_total_limit``, never the newest nor ``state.best_model_checkpoint``'s step, deleting
+    the oldest first (steps stand for Trainer's mtime order: commits happen in step order)."""
 
     def __init__(self, trainer: SafeckptTrainerMixin) -> None:
-        self.trainer = trainer
+        self.trainer = weakref.ref(trainer)
+        self.final = False  # end of training with save_total_limit=1: all but the best go
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        t = self.trainer
-        if t._safeckpt_sampler is not None:
-            common.restore_sampler(kwargs.get("train_dataloader"), t._safeckpt_sampler,
-                                   "resume")
-            t._safeckpt_sampler = None
+    def delete(self, checkpoints: Any, protect: Any = ()) -> list[int]:
+        t = self.trainer()
+        if self.final and t is not None:
+            best = t._safeckpt_best_step()
+            return sorted(s for s, _ in checkpoints if s != best)
+        limit = t.args.save_total_limit if t is not None else None
+        steps = sorted(s for s, _ in checkpoints)
+        if t is None or not limit or limit <= 0 or len(steps) <= limit:
+            return []
+        protected = {steps[-1]}
+        best = t._safeckpt_best_step()
+        if best is not None:
+            protected.add(best)
+        keep = max(limit, len(protected))
+        doomed, remaining = [], len(steps)
+        for s in steps:
+            if remaining <= keep:
+                break
+            if s not in protected:
+                doomed.append(s)
+                remaining -= 1
+        return doomed
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        mgr = self.trainer._safeckpt_mgr
-        # Collective on every rank at every optimizer step: one tiny all-reduce.
-        if mgr is not None and mgr.preempted:
-            self.trainer.safeckpt_preempted = True
-            control.should_save = True
-            control.should_training_stop = True
-        return control
+    def __repr__(self) -> str:
+        return "TrainerRotation()"
 
 
 class SafeckptTrainerMixin(Trainer):
     """Trainer whose checkpoints are safeckpt commits. Prefer :func:`with_safeckpt`.
 
     Class attributes (set them on a subclass or pass them to ``with_safeckpt``):
-    ``safeckpt_root`` (default: ``args.output_dir``) and ``safeckpt_timeout`` (seconds any rank
-    waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600).
+    ``safeckpt_root`` (default: ``args.output_dir``), ``safeckpt_timeout`` (seconds any rank
+    waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600) and ``safeckpt_frozen``
+    (``"fingerprint"``: frozen parameters, e.g. a PEFT base model, are saved as checksums and
+    verified on resume; ``"full"``: saved like the rest).
     """
 
     safeckpt_root: str | None = None
     safeckpt_timeout: float | None = None
+    safeckpt_frozen: str = "fingerprint"
     safeckpt_preempted: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -97,7 +155,7 @@ class SafeckptTrainerMixin(Trainer):
         self._safeckpt_sampler: dict[str, Any] | None = None
         self._safeckpt_outer = False
         self._safeckpt_side: str | None = None
-        self._safeckpt_best: list[Any] | None = None
+        self._safeckpt_rotation: _TrainerRotation | None = None
         targs = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainingArguments)), None)
         model = kwargs.get("model", args[0] if args else None)
         # Trainer refuses full checkpoints of models sharded at load time (its own format cannot
@@ -112,7 +170,7 @@ class SafeckptTrainerMixin(Trainer):
             if bypass:
                 targs.save_only_model = False
         self._safeckpt_check_supported()
-        self.add_callback(_Hooks(self))
+        _Hooks.install(self)
 
     # ------------------------------------------------------------------ setup
     def _safeckpt_check_supported(self) -> None:
@@ -145,15 +203,47 @@ class SafeckptTrainerMixin(Trainer):
         if self._safeckpt_mgr is None:
             a = self.args
             metric = self._safeckpt_metric()
+            self._safeckpt_rotation = _TrainerRotation(self)
             self._safeckpt_mgr = CheckpointManager(
                 self.safeckpt_root_dir,
-                keep_last=a.save_total_limit if a.save_total_limit else None,
-                keep_best=1 if metric else None,
+                retention=self._safeckpt_rotation,
                 best_metric=metric,
                 best_mode="max" if a.greater_is_better else "min",
                 timeout=self.safeckpt_timeout,
+                frozen=self.safeckpt_frozen,
             )
         return self._safeckpt_mgr
+
+    def _safeckpt_link(self, step: int) -> str:
+        """``root/checkpoint-N``: Trainer's name for step N (a link to safeckpt's step dir)."""
+        return os.path.join(self.safeckpt_root_dir, f"{SIDE_PREFIX}{step}")
+
+    def _safeckpt_best_step(self) -> int | None:
+        path = self.state.best_model_checkpoint
+        if not path:
+            return None
+        m = re.search(r"(?:checkpoint-|step-)(\d+)$", os.path.basename(os.path.normpath(path)))
+        return int(m.group(1)) if m else None
+
+    def _safeckpt_publish_links(self) -> None:
+        """Rank 0: ``checkpoint-N`` -> ``step-N`` for every committed step (what
+        ``transformers.trainer_utils.get_last_checkpoint`` and scripts look for); links whose
+        checkpoint retention removed go too. Real directories of that name are left alone."""
+        root = self.safeckpt_root_dir
+
+        def publish() -> None:
+            steps = {s for s in (parse_step(n) for n in os.listdir(root)) if s is not None}
+            for name in os.listdir(root):
+                link = os.path.join(root, name)
+                m = re.fullmatch(r"checkpoint-(\d+)", name)
+                if m and os.path.islink(link) and int(m.group(1)) not in steps:
+                    os.unlink(link)
+            for step in steps:
+                link = self._safeckpt_link(step)
+                if not os.path.lexists(link):
+                    os.symlink(step_dirname(step), link)
+
+        common.share_from_rank0(publish)
 
     def _safeckpt_metric(self) -> str | None:
         m = self.args.metric_for_best_model
@@ -175,8 +265,18 @@ class SafeckptTrainerMixin(Trainer):
         try:
             if resume_from_checkpoint not in (None, False):
                 tmp = self._safeckpt_prepare_resume(resume_from_checkpoint)
-            return super().train(resume_from_checkpoint=tmp, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            out = super().train(resume_from_checkpoint=tmp, trial=trial,
+                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            if (self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None
+                    and self._safeckpt_mgr is not None):
+                # Trainer, at the end of training: with save_total_limit=1 only the best remains.
+                self._safeckpt_rotation.final = True
+                try:
+                    self._safeckpt_mgr.retain()
+                finally:
+                    self._safeckpt_rotation.final = False
+                self._safeckpt_publish_links()
+            return out
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -191,7 +291,9 @@ class SafeckptTrainerMixin(Trainer):
         mgr = self._safeckpt_manager()
         head: dict[str, Any] = {"trainer_state": {}, "side_files": {}, "safeckpt": {}}
         if resume is True:
-            step = mgr.restore(head, strict=False)
+            # deep: every byte of the pick verifies, not only the entries read now (the rest is
+            # loaded after prepare(), when falling back to an older checkpoint is too late)
+            step = mgr.restore(head, strict=False, deep=True)
             if step is None:
                 raise CheckpointNotFound(
                     f"resume_from_checkpoint=True but {self.safeckpt_root_dir} holds no committed "
@@ -202,7 +304,7 @@ class SafeckptTrainerMixin(Trainer):
             if not os.path.isdir(path):  # the manager's naming changed: fail loudly
                 raise CheckpointError(f"restored step {step} but {path} does not exist")
         else:
-            path = os.path.abspath(os.fspath(resume))
+            path = os.path.realpath(os.fspath(resume))  # checkpoint-N links to step-N
             try:
                 common.load_entries(path, head, timeout=self.safeckpt_timeout, where="resume")
             except CheckpointNotFound as exc:
@@ -230,7 +332,6 @@ class SafeckptTrainerMixin(Trainer):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
         TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
-        self._safeckpt_best = meta.get("best")
         self._safeckpt_resume = {"dir": tmp, "path": path}
         return tmp
 
@@ -255,7 +356,7 @@ class SafeckptTrainerMixin(Trainer):
         path = self._safeckpt_resume["path"]
         state = self._safeckpt_state(loading=True)
         try:
-            load(path, state, strict=True, timeout=self.safeckpt_timeout)
+            common.load_checkpoint(path, state, strict=True, timeout=self.safeckpt_timeout)
         except IncompatibleCheckpoint as exc:
             raise IncompatibleCheckpoint(
                 f"cannot resume from {path}: it does not hold exactly what this Trainer saves "
@@ -271,7 +372,7 @@ class SafeckptTrainerMixin(Trainer):
             self._safeckpt_rng.apply()
 
     def _load_best_model(self) -> None:
-        path = self.state.best_model_checkpoint
+        path = os.path.realpath(self.state.best_model_checkpoint)
         common.load_entries(path, {"model": self._safeckpt_model()}, timeout=self.safeckpt_timeout,
                             where="load_best_model_at_end")
 
@@ -319,7 +420,13 @@ class SafeckptTrainerMixin(Trainer):
         """Before a subclass's _save_checkpoint runs: ``output_dir/checkpoint-N`` is where it
         writes its own files; take them into the commit if that directory is new."""
         d = os.path.join(self.args.output_dir, f"{SIDE_PREFIX}{self.state.global_step}")
-        if common.share_from_rank0(lambda: os.path.exists(d)):
+
+        def foreign() -> bool:
+            if os.path.islink(d) and os.readlink(d).startswith("step-"):
+                os.unlink(d)  # our link to an older commit of this step: replaced after the save
+            return os.path.exists(d)
+
+        if common.share_from_rank0(foreign):
             warnings.warn(f"{d} exists already (a Trainer-format checkpoint?); files in it are not "
                           "taken into the safeckpt checkpoint and it is left alone.",
                           SafeckptWarning, stacklevel=3)
@@ -369,20 +476,25 @@ class SafeckptTrainerMixin(Trainer):
         metric_name = self._safeckpt_metric()
         metric = self._safeckpt_eval_metric(metric_name, step)
         metrics = {metric_name: metric} if metric is not None else {}
-        if metric is not None and self._safeckpt_is_best(metric):
-            self._safeckpt_best = [step, metric]
-        if self._safeckpt_best is not None:
-            self.state.best_model_checkpoint = common.step_dir(root, int(self._safeckpt_best[0]))
+        # Trainer's rule, word for word: state.best_global_step is set by Trainer's own
+        # _determine_best_metric (strictly better only, so ties keep the first); it names the
+        # best checkpoint only if that step was saved (this one counts), else the old one stays.
+        best = self.state.best_global_step
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best:
+            if best == step or common.share_from_rank0(
+                    lambda: os.path.isdir(common.step_dir(root, best))):
+                self.state.best_model_checkpoint = self._safeckpt_link(best)
         self._safeckpt_export_callbacks()
         state = self._safeckpt_state()
         state["side_files"] = self._safeckpt_side_files()
         state["safeckpt"] = {"format": FORMAT, "save_only_model": bool(self.args.save_only_model),
-                             "best": self._safeckpt_best, "trainer_class": type(self).__name__}
+                             "trainer_class": type(self).__name__}
         mgr = self._safeckpt_manager()
         try:
             info = mgr.save(step, state, metrics=metrics)
         finally:
             self._safeckpt_side_end()
+        self._safeckpt_publish_links()
         if info is not None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
 
@@ -395,12 +507,6 @@ class SafeckptTrainerMixin(Trainer):
             if name in entry:
                 return common.json_float(entry[name])
         return None
-
-    def _safeckpt_is_best(self, value: float) -> bool:
-        if self._safeckpt_best is None:
-            return True
-        old = float(self._safeckpt_best[1])
-        return value >= old if self.args.greater_is_better else value <= old
 
     def _safeckpt_export_callbacks(self) -> None:
         """As Trainer does before writing trainer_state.json: callbacks' state into the state."""

@@ -1,0 +1,164 @@
+"""Issue 19: Trainer with safeckpt gives Trainer's answers (one process, tiny Llama, CPU).
+
+Best model, rotation, callbacks and checkpoint names are compared with the stock Trainer run on
+the same arguments; resume falls back past a checkpoint damaged anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import hf_tiny as tiny  # noqa: E402
+
+for _k, _v in tiny.OFFLINE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import safeckpt  # noqa: E402
+from safeckpt.integrations.hf import with_safeckpt  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():  # noqa: ANN202
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _args(out: str, **kw: object) -> TrainingArguments:
+    base = dict(output_dir=out, max_steps=8, per_device_train_batch_size=2, save_steps=2,
+                save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1,
+                disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def _scripted(scores: list[float]):  # noqa: ANN202
+    """compute_metrics returning the next score of a script (ties on purpose)."""
+    calls = iter(scores)
+
+    def compute(_pred: object) -> dict[str, float]:
+        return {"score": next(calls)}
+    return compute
+
+
+def _run(cls: type, out: str, scores: list[float], **kw: object) -> Trainer:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    trainer = cls(model=tiny.model(dropout=0.0), args=_args(out, **kw),
+                  train_dataset=tiny.TokenData(16, 1), eval_dataset=tiny.TokenData(2, 2),
+                  compute_metrics=_scripted(scores),
+                  preprocess_logits_for_metrics=lambda logits, labels: logits[..., :1])
+    trainer.train()
+    return trainer
+
+
+def _kept(out: str) -> list[str]:
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")
+                  and os.path.isdir(os.path.join(out, n)))
+
+
+SCENARIOS = {
+    # ties: Trainer keeps the first best (strictly better only)
+    "ties_limit2": dict(eval_strategy="steps", eval_steps=2, save_total_limit=2,
+                        metric_for_best_model="score", greater_is_better=True),
+    # eval every 3 steps, save every 2: a best at an unsaved step names no new checkpoint
+    "eval3_save2": dict(eval_strategy="steps", eval_steps=3, save_total_limit=2,
+                        metric_for_best_model="score", greater_is_better=False),
+    # eval each epoch (4 steps per epoch), save every 2 steps
+    "epoch_eval_step_save": dict(eval_strategy="epoch", save_total_limit=2, num_train_epochs=2,
+                                 max_steps=-1, metric_for_best_model="score", greater_is_better=True),
+    # limit 1 with load_best_model_at_end: only the best remains at the end
+    "limit1_load_best": dict(eval_strategy="steps", eval_steps=2, save_total_limit=1,
+                             metric_for_best_model="score", greater_is_better=True,
+                             load_best_model_at_end=True),
+}
+SCORES = [1.0, 1.0, 0.5, 1.0, 0.2, 0.2]
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_best_model_and_rotation_match_stock_trainer(tmp_path, name) -> None:
+    kw = SCENARIOS[name]
+    stock = _run(Trainer, str(tmp_path / "stock"), list(SCORES), **kw)
+    ours = _run(with_safeckpt(Trainer), str(tmp_path / "ours"), list(SCORES), **kw)
+    assert stock.state.best_global_step == ours.state.best_global_step
+    assert stock.state.best_metric == ours.state.best_metric
+    s_best, o_best = stock.state.best_model_checkpoint, ours.state.best_model_checkpoint
+    assert (s_best is None) == (o_best is None)
+    if s_best is not None:
+        assert os.path.basename(s_best) == os.path.basename(o_best)
+        assert os.path.realpath(o_best).startswith(str(tmp_path / "ours"))
+    assert _kept(str(tmp_path / "stock")) == _kept(str(tmp_path / "ours"))
+    if kw.get("load_best_model_at_end"):
+        for a, b in zip(stock.model.state_dict().values(), ours.model.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_no_private_callback_is_visible(tmp_path) -> None:
+    stock = Trainer(model=tiny.model(), args=_args(str(tmp_path / "s")))
+    ours = with_safeckpt(Trainer)(model=tiny.model(), args=_args(str(tmp_path / "o")))
+    assert [type(c) for c in ours.callback_handler.callbacks] == \
+        [type(c) for c in stock.callback_handler.callbacks]
+
+
+def _flip_model_byte(ckpt: str) -> None:
+    """Same-size damage in a model tensor's bytes (not in the entries a resume reads first)."""
+    rec = safeckpt.read_state_dict(ckpt)  # noqa: F841 - the checkpoint reads before damage
+    data = [f for f in os.listdir(ckpt) if f.endswith(".safetensors")]
+    path = os.path.join(ckpt, sorted(data)[0])
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    cls = with_safeckpt(Trainer)
+    t = cls(model=tiny.model(), args=_args(out, max_steps=4), train_dataset=tiny.TokenData(16, 1))
+    t.train()
+    last = get_last_checkpoint(out)  # what HF example scripts call to auto-resume
+    assert last is not None and os.path.basename(last) == "checkpoint-4"
+    assert safeckpt.verify(last, deep=True).ok
+    _flip_model_byte(os.path.realpath(last))
+    assert not safeckpt.verify(last, deep=True).ok
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    t = cls(model=tiny.model(), args=_args(out, max_steps=6), train_dataset=tiny.TokenData(16, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.train(resume_from_checkpoint=True)
+    assert any("step 4" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert t.state.global_step == 6
+    # resumed from step 2: its log history holds steps 1-2 from the checkpoint, then 3-6
+    assert [h["step"] for h in t.state.log_history if "loss" in h] == [1, 2, 3, 4, 5, 6]
+    assert os.path.basename(get_last_checkpoint(out)) == "checkpoint-6"
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    t = cls(model=tiny.model(), args=_args(out, max_steps=8), train_dataset=tiny.TokenData(16, 1))
+    t.train(resume_from_checkpoint=get_last_checkpoint(out))  # a checkpoint-N path resumes
+    assert t.state.global_step == 8
