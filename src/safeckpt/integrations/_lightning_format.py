@@ -21,6 +21,8 @@ from safeckpt._catalog import Entry, remove_entry
 from safeckpt._storage import is_remote
 from safeckpt.errors import CheckpointNotFound, IncompatibleCheckpoint
 
+from ._lightning_values import decode
+
 MODEL = "model"
 LIGHTNING = "lightning"
 RNG = "rng"
@@ -95,9 +97,12 @@ def refuse_file(path: str) -> None:
 def read_checkpoint(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
     """Lightning's checkpoint dict from a checkpoint written by this integration (offline, no
     process group, never unpickles): ``state_dict`` with full (unsharded) tensors,
-    ``optimizer_states`` (if saved), and everything else as rank 0 saved it.
+    ``optimizer_states`` (if saved), and everything else as rank 0 saved it (configs, enums,
+    paths... rebuilt, see ``_lightning_values``).
 
-    ``map_location``: None (CPU) or a device to move every tensor to.
+    ``map_location`` as ``torch.load`` takes it (tensors are read onto the CPU, location
+    ``"cpu"``): None, a device or its name, a dict mapping ``"cpu"`` to one, or a callable
+    ``(storage, "cpu") -> storage or None`` (None: leave the tensor where it is).
     """
     refuse_file(os.fspath(path))
     nested = safeckpt.read_state_dict(path, nested=True)
@@ -107,12 +112,49 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = None) -> d
             f"{sorted(nested)}; expected {MODEL!r} and {LIGHTNING!r}). Load it with "
             "safeckpt.load or safeckpt.read_state_dict."
         )
-    checkpoint = dict(nested[LIGHTNING])
+    checkpoint = dict(decode(nested[LIGHTNING]))
     checkpoint["state_dict"] = nested[MODEL]
     optims = sorted((int(m.group(1)), k) for k in nested if (m := OPTIM_RE.match(k)))
     if optims:
         checkpoint["optimizer_states"] = [nested[k] for _, k in optims]
-    if map_location is not None:
-        device = torch.device(map_location)
-        checkpoint = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(device))
-    return checkpoint
+    return map_tensors(checkpoint, map_location)
+
+
+def map_tensors(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
+    """Apply a ``torch.load``-style ``map_location`` to CPU tensors."""
+    if map_location is None:
+        return checkpoint
+    if isinstance(map_location, Mapping):
+        if "cpu" not in map_location:
+            return checkpoint
+        map_location = map_location["cpu"]
+    if callable(map_location) and not isinstance(map_location, (str, torch.device)):
+        fn = map_location
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t.untyped_storage(), "cpu")
+            device = getattr(out, "device", None)
+            return t if device is None or torch.device(device) == t.device else t.to(device)
+
+        return apply_to_collection(checkpoint, torch.Tensor, move, allow_frozen=True)
+    device = torch.device(map_location)
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(device), allow_frozen=True)
+
+
+def is_lightning_checkpoint(path: Any) -> bool:
+    """A local directory (or URL) holding a committed safeckpt checkpoint (cheap check)."""
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        return False
+    if not isinstance(p, str):
+        return False
+    if not is_remote(p) and not os.path.isdir(p):
+        return False
+    from safeckpt._reader import open_manifest
+
+    try:
+        open_manifest(p, full=False)
+    except Exception:  # noqa: BLE001 - not ours: the caller's own loader decides
+        return False
+    return True

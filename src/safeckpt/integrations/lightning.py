@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import safeckpt
 from safeckpt._dist import Coordinator
+from safeckpt._tree import is_dtensor
 from safeckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -62,6 +63,7 @@ from ._lightning_format import (
     OPTIM_RE,
     RNG,
     RankLocal,
+    is_lightning_checkpoint,
     metadata,
     norm,
     optimizer_name,
@@ -71,6 +73,7 @@ from ._lightning_format import (
 )
 from ._lightning_preempt import SafeckptPreemption
 from ._lightning_resume import agree_on_checkpoint
+from ._lightning_values import check_hyperparameters, decode, encode
 
 __all__ = [
     "SafeckptDDPStrategy",
@@ -94,7 +97,7 @@ def load_from_checkpoint(
     saved hyper-parameters (``kwargs`` override them) and load the weights, through Lightning's
     own loading code (``on_load_checkpoint``, ``configure_model``, ``strict_loading``). A
     checkpoint written by FSDP2 on N ranks loads into the plain module (tensors are unsharded)."""
-    checkpoint = read_checkpoint(path, map_location)
+    checkpoint = read_checkpoint(path, map_location)  # map_location: as torch.load takes it
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if issubclass(cls, LightningDataModule):
@@ -129,15 +132,13 @@ class SafeckptIO(CheckpointIO):
         state: dict[str, Any] = {MODEL: checkpoint.get("state_dict", {})}
         for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
             state[optimizer_name(i)] = opt_state
-        state[LIGHTNING] = {k: v for k, v in checkpoint.items() if k not in NOT_STORED}
+        state[LIGHTNING] = encode({k: v for k, v in checkpoint.items() if k not in NOT_STORED}, "checkpoint")
         safeckpt.save(
             os.fspath(path), state, overwrite=True, step=step_of(checkpoint),
             metadata=metadata(checkpoint, "optimizer_states" not in checkpoint), timeout=self.timeout,
         )
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if map_location is not None and not isinstance(map_location, (str, torch.device)):
-            map_location = None  # Lightning's storage callables keep tensors where they are: CPU here
         return read_checkpoint(path, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -152,9 +153,10 @@ class SafeckptStrategyMixin:
 
     Put it first in the bases: ``class MyStrategy(SafeckptStrategyMixin, DDPStrategy)``.
     ``save_checkpoint``, ``load_checkpoint`` and ``remove_checkpoint`` run on every rank (Lightning
-    already calls them on every rank; only their bodies were gated on rank 0). Restoring happens
-    after ``strategy.setup``, when the optimizers exist, so everything loads in one collective
-    call in place. ``checkpoint_timeout`` is how long a rank waits for the others (safeckpt's
+    already calls them on every rank; only their bodies were gated on rank 0). The module is
+    loaded in place where the base strategy restores (DDP: before ``setup``, so ``on_fit_start``
+    sees restored weights and callbacks), the optimizers and RNG in place when Lightning
+    restores the optimizers. ``checkpoint_timeout`` is how long a rank waits for the others (safeckpt's
     ``timeout``); ``save_rng=False`` leaves the RNG state out.
     """
 
@@ -171,16 +173,16 @@ class SafeckptStrategyMixin:
         super().__init__(*args, **kwargs)
         self.checkpoint_timeout = checkpoint_timeout
         self.save_rng = save_rng
+        self._pending: dict[str, Any] | None = None  # the checkpoint whose optimizers load next
 
     # Lightning asks the strategy for these while building its dict; the live objects are saved
     # instead, so nothing is gathered or copied (no full state dict on rank 0).
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
+    # Restoring happens where the base strategy restores (DDP: before setup, so on_fit_start
+    # sees the restored module and callbacks; ModelParallel: after setup): the module in place
+    # at load_checkpoint, the optimizers in place when Lightning restores them (after setup).
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return False
+        return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}
@@ -188,11 +190,22 @@ class SafeckptStrategyMixin:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}
 
+    def connect(self, model: Any) -> None:
+        check_hyperparameters(model)  # refused before training starts, naming the key
+        super().connect(model)  # type: ignore[misc]
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in place by load_checkpoint
+        if "state_dict" in checkpoint:
+            # not loaded in place: a user's load_state_dict / on_load_checkpoint, or a load
+            # without a Trainer; Lightning's own code calls the module's load_state_dict
+            super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in place by load_checkpoint
+        cand, self._pending = getattr(self, "_pending", None), None
+        if cand is None:
+            super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+            return
+        self._load_optimizers(cand)
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -206,7 +219,8 @@ class SafeckptStrategyMixin:
                 state[optimizer_name(i)] = getattr(opt, "_optimizer", opt)
             if self.save_rng:
                 state[RNG] = safeckpt.RNGState()
-        state[LIGHTNING] = RankLocal({k: v for k, v in checkpoint.items() if k not in NOT_STORED})
+        state[LIGHTNING] = RankLocal(encode({k: v for k, v in checkpoint.items() if k not in NOT_STORED},
+                                            "checkpoint"))
         self._sync_ddp_buffers()
         safeckpt.save(
             os.fspath(filepath), state, overwrite=True, step=step_of(checkpoint),
@@ -239,19 +253,25 @@ class SafeckptStrategyMixin:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Every rank: agree on the checkpoint (for a "last" request, the newest that verifies),
-        load model, optimizers and RNG in place, and return the rest of Lightning's dict."""
-        trainer = self.lightning_module.trainer
+        load the module in place, and return the rest of Lightning's dict (the optimizers and
+        RNG are loaded in place when Lightning restores the optimizers). Without a Trainer (a
+        strategy used on its own, as Lightning's connector allows): the whole dict, read."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        self._pending = None
+        if trainer is None:
+            return self._load_offline(os.fspath(checkpoint_path))
         fitting = trainer.state.fn == TrainerFn.FITTING
         candidates = agree_on_checkpoint(trainer, os.fspath(checkpoint_path), self.checkpoint_timeout)
-        if fitting and self.optimizers and len(candidates) > 1:
+        if fitting and len(candidates) > 1:
             # "last" for training: the newest checkpoint that can resume it (weights-only ones,
             # e.g. from a second ModelCheckpoint, cannot), if there is one.
-            full = [c for c in candidates if any(OPTIM_RE.match(e) for e in c["entries"])]
+            full = [c for c in candidates if any(OPTIM_RE.match(e) for e in c["entries"]) or RNG in c["entries"]]
             candidates = full or candidates
         reasons: list[str] = []
         for i, cand in enumerate(candidates):
             try:
-                rest = self._load_one(cand, fitting)
+                rest = self._load_one(cand)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 if len(candidates) == 1:
                     raise
@@ -266,27 +286,40 @@ class SafeckptStrategyMixin:
                 rank_zero_info(f"safeckpt: resuming from {cand['path']} (newest valid checkpoint)")
             # Lightning protects the checkpoint it resumed from against top-k deletion.
             trainer._checkpoint_connector._ckpt_path = cand["path"]
+            self._pending = cand if fitting else None
             return rest
         raise CorruptCheckpoint(
             "no checkpoint could be loaded (refusing to start fresh when checkpoints exist):\n  "
             + "\n  ".join(reasons)
         )
 
-    def _load_one(self, cand: dict[str, Any], fitting: bool) -> dict[str, Any]:
+    def _load_offline(self, path: str) -> dict[str, Any]:
+        """No Trainer: every rank reads the whole checkpoint dict (errors raised on every rank)."""
+        coord = Coordinator(self.checkpoint_timeout, what=f"load of {path}")
+        paths = coord.run("load-agree", lambda: norm(path))
+        if any(p != paths[0] for p in paths):
+            raise RankMismatch(f"load_checkpoint: ranks were called with different paths: {paths}")
+        box: dict[str, Any] = {}
+        coord.run("load-read", lambda: box.update(checkpoint=read_checkpoint(path)),
+                  hint="Nothing was loaded.")
+        return box["checkpoint"]
+
+    def _as_state_dict(self) -> bool:
+        """Load the module through Lightning's ``load_state_dict`` call instead of in place:
+        the user overrides ``load_state_dict`` or ``on_load_checkpoint`` (which may edit
+        ``checkpoint["state_dict"]``), and nothing is sharded (full tensors would not fit)."""
+        module = self.lightning_module
+        custom = (type(module).load_state_dict is not torch.nn.Module.load_state_dict
+                  or type(module).on_load_checkpoint is not LightningModule.on_load_checkpoint)
+        return custom and not any(is_dtensor(t) for t in module.state_dict().values())
+
+    def _load_one(self, cand: dict[str, Any]) -> dict[str, Any]:
         entries = set(cand["entries"])
         holder = RankLocal()
-        state: dict[str, Any] = {MODEL: self.lightning_module, LIGHTNING: holder}
-        if fitting and self.optimizers:
-            if not any(OPTIM_RE.match(e) for e in entries):
-                raise IncompatibleCheckpoint(
-                    f"{cand['path']} holds no optimizer state (saved with save_weights_only=True): "
-                    "training cannot resume from it. Start from its weights with "
-                    "load_from_checkpoint(...), or resume from a full checkpoint."
-                )
-            for i, opt in enumerate(self.optimizers):
-                state[optimizer_name(i)] = getattr(opt, "_optimizer", opt)
-            if RNG in entries:
-                state[RNG] = safeckpt.RNGState()
+        as_dict = self._as_state_dict()
+        state: dict[str, Any] = {LIGHTNING: holder}
+        if not as_dict:
+            state[MODEL] = self.lightning_module
         left_out = sorted(entries - set(state))
         model_strict = self.lightning_module.strict_loading
         with warnings.catch_warnings():
@@ -295,7 +328,7 @@ class SafeckptStrategyMixin:
             info = safeckpt.load(cand["path"], state, strict=model_strict and not left_out,
                                  timeout=self.checkpoint_timeout)
         if model_strict and left_out:
-            # Entries deliberately not loaded (optimizers, RNG outside fit) are the only
+            # Entries deliberately not loaded here (optimizers and RNG come later) are the only
             # acceptable differences; anything else breaks strict loading.
             other = [s for s in info.skipped if not any(s.startswith(f"unexpected entry {n!r}") for n in left_out)]
             if other:
@@ -310,7 +343,38 @@ class SafeckptStrategyMixin:
             fallback = self.broadcast(rest if self.global_rank == 0 else None, src=0)
             if rest is None:
                 rest = fallback
-        return dict(rest or {})
+        out = dict(decode(rest or {}))
+        optims = sorted(int(m.group(1)) for e in entries if (m := OPTIM_RE.match(e)))
+        if optims:
+            out["optimizer_states"] = [{} for _ in optims]  # loaded in place by load_optimizer_state_dict
+        if as_dict:
+            coord = Coordinator(self.checkpoint_timeout, what=f"load of {cand['path']}")
+            box: dict[str, Any] = {}
+            coord.run("state-dict", lambda: box.update(sd=safeckpt.read_state_dict(cand["path"], nested=True)[MODEL]),
+                      hint="The model is unchanged.")
+            out["state_dict"] = box["sd"]
+        return out
+
+    def _load_optimizers(self, cand: dict[str, Any]) -> None:
+        """After setup, in Lightning's optimizer restore: the optimizers (and each rank's RNG)
+        in place from the checkpoint agreed at load_checkpoint."""
+        entries = set(cand["entries"])
+        saved = sorted(e for e in entries if OPTIM_RE.match(e))
+        if len(saved) != len(self.optimizers):
+            raise IncompatibleCheckpoint(
+                f"{cand['path']} holds {len(saved)} optimizer state(s), the model configures "
+                f"{len(self.optimizers)}: training cannot resume from it. Start from its weights "
+                "with load_from_checkpoint(...), or resume from a checkpoint of this configuration."
+            )
+        state: dict[str, Any] = {optimizer_name(i): getattr(opt, "_optimizer", opt) for i, opt in enumerate(self.optimizers)}
+        if RNG in entries:
+            state[RNG] = safeckpt.RNGState()
+        info = safeckpt.load(cand["path"], state, strict=False, timeout=self.checkpoint_timeout)
+        other = [s for s in info.skipped if not s.startswith("unexpected entry")]
+        if other:
+            raise IncompatibleCheckpoint(
+                f"the optimizer state in {cand['path']} does not fit the optimizers:\n  " + "\n  ".join(other[:40])
+            )
 
 
 class SafeckptDDPStrategy(SafeckptStrategyMixin, DDPStrategy):
@@ -320,3 +384,29 @@ class SafeckptDDPStrategy(SafeckptStrategyMixin, DDPStrategy):
 class SafeckptModelParallelStrategy(SafeckptStrategyMixin, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 ``fully_shard`` / tensor parallel in ``configure_model``)
     with sharded safeckpt checkpoints: each rank writes its shards, loads reshard."""
+
+
+# --------------------------------------------------------------------------- load_from_checkpoint
+
+
+def _serve_pl_load() -> None:
+    """``Model.load_from_checkpoint(path)`` (Lightning's classmethod) reads through
+    ``lightning.pytorch.core.saving.pl_load``: a safeckpt checkpoint directory is read by
+    :func:`read_checkpoint` (pickle-free, ``map_location`` as torch.load takes it), anything
+    else by Lightning's own loader, unchanged. Idempotent."""
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load
+    if getattr(original, "_safeckpt", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if is_lightning_checkpoint(path_or_url):
+            return read_checkpoint(path_or_url, map_location)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._safeckpt = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
+_serve_pl_load()
