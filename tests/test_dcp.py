@@ -430,3 +430,29 @@ def test_import_does_not_load_dcp():
     code = "import sys, safeckpt; print('torch.distributed.checkpoint' in sys.modules, 'safeckpt.dcp' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out
+
+
+# ----------------------------------------------------------------------------- async, process mode
+def _async_process(rank, world, root):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    torch.manual_seed(11)
+    state = {"w": torch.randn(64, 16), "b": torch.randn(7), "step": 5}
+    fut = dcp.async_save(state, storage_writer=safeckpt.dcp.StorageWriter(os.path.join(root, "proc")),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    fut.result(timeout=120)
+    return True
+
+
+def test_async_save_process_mode(tmp_path):
+    root = str(tmp_path)
+    outs = dist_harness.run(_async_process, 2, root, timeout=180)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+    ckpt = os.path.join(root, "proc")
+    assert safeckpt.verify(ckpt).ok
+    torch.manual_seed(11)
+    w, b = torch.randn(64, 16), torch.randn(7)
+    flat = safeckpt.read_state_dict(ckpt)
+    assert torch.equal(flat["w"], w) and torch.equal(flat["b"], b) and flat["step"] == 5
+    assert dist_harness.leftovers(root) == []
