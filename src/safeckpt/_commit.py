@@ -101,10 +101,11 @@ def probe(store: Storage, staging: dict[str, str], rank: int, wait: float = PROB
         time.sleep(0.1)
 
 
-def write(store: Storage, staging: dict[str, str], rank: int, items: Any, metadata: dict[str, str]) -> tuple[str, Any]:
-    """This rank's data file: (its name, the WrittenFile)."""
+def write(store: Storage, staging: dict[str, str], rank: int, items: Any, metadata: dict[str, str],
+          index: Any = None) -> tuple[str, Any]:
+    """This rank's data file: (its name, the WrittenFile). ``index``: its file index (format 3)."""
     fname = store.data_name(rank, staging["token"])
-    return fname, store.write(store.join(staging["path"], fname), items, metadata)
+    return fname, store.write(store.join(staging["path"], fname), items, metadata, index)
 
 
 def check_written(store: Storage, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,6 +126,8 @@ def check_written(store: Storage, staging: dict[str, str], written: list[dict[st
                 f"{w['size']}: the storage lost or replaced it (is it shared by all ranks?)"
             )
         files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r}
+        if "index" in w:  # format 3: where the file's data and index start
+            files[w["file"]].update(data=w["data"], index=w["index"])
     return files
 
 

@@ -331,6 +331,81 @@ class Coordinator:
     def barrier(self, phase: str) -> None:
         self.run(phase, lambda: None)
 
+    def decide(self, phase: str, local: Callable[[], Any], resolve: Callable[[list[Any]], Any], *,
+               hint: str = "", done_hint: str = "") -> Any:
+        """Run ``local`` on every rank; the coordinator alone receives every rank's value and
+        returns ``resolve(values)`` (the decision), which every rank then receives.
+
+        Two collectives (a gather to the coordinator, a broadcast from it), each carrying at
+        most SLOT bytes per rank in the common case: a non-coordinator sends its own value and
+        receives the decision, whatever the world size. A failure of ``local`` on any rank, or
+        of ``resolve``, raises the same error on every rank, as :meth:`run` does; ``done_hint``
+        as in :meth:`run` (the coordinator's ``resolve`` completed, e.g. it published).
+        """
+        local_exc: BaseException | None = None
+        try:
+            payload: dict[str, Any] = {"ok": True, "value": local()}
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            local_exc = exc
+            payload = {"ok": False, "error": describe_exception(exc)}
+        if self.world_size == 1:
+            if local_exc is not None:
+                self._raise_local(phase, local_exc, payload["error"], hint)
+            try:
+                return resolve([payload["value"]])
+            except Exception as exc:  # noqa: BLE001
+                self._raise_local(phase, exc, describe_exception(exc), hint)
+        state = self._state
+        assert state is not None
+        data = json.dumps(payload, separators=(",", ":")).encode()
+        outs = self._transport(phase, lambda group: _gather_slots(data, group, self.rank, self.world_size, SLOT), hint)
+        decision: dict[str, Any] | None = None
+        rest: list[torch.Tensor] | None = None
+        extra = max((_frame_len(o) - SLOT for o in outs), default=0) if outs is not None else 0
+        if extra > 0:
+            # Someone's value is longer than a slot (a layout description, a traceback): every
+            # rank sends the rest of its value in one more gather, sized by this first answer.
+            more = self._transport(phase, lambda group: _broadcast_json({"more": extra}, group, self.rank), hint)
+            rest = self._transport(phase, lambda group: _gather_slots(data[SLOT:], group, self.rank,
+                                                                      self.world_size, more["more"]), hint)
+        gathered: list[dict[str, Any]] = []
+        if self.is_coordinator:
+            assert outs is not None
+            for r, o in enumerate(outs):
+                n = _frame_len(o)
+                raw = bytes(o[8 : 8 + min(n, SLOT)].numpy())
+                if n > SLOT:
+                    raw += bytes(rest[r][8 : 8 + n - SLOT].numpy())  # type: ignore[index]
+                gathered.append(json.loads(raw.decode()))
+            failures = {r: res["error"] for r, res in enumerate(gathered) if not res["ok"]}
+            if failures:
+                decision = {"ok": False, "failures": _capped(failures)}
+            else:
+                try:
+                    decision = {"ok": True, "value": resolve([res["value"] for res in gathered])}
+                except Exception as exc:  # noqa: BLE001 - reported to every rank
+                    local_exc = exc
+                    decision = {"ok": False, "failures": {"0": describe_exception(exc)}}
+        done = bool(done_hint) and self.is_coordinator and bool(decision and decision["ok"])
+        decision = self._transport(phase, lambda group: _broadcast_json(decision, group, self.rank), hint,
+                                   done_hint, done)
+        assert decision is not None
+        if "more" in decision:  # rank 0 asks for the rest of the longer values
+            self._transport(phase, lambda group: _gather_slots(data[SLOT:], group, self.rank, self.world_size,
+                                                               decision["more"]), hint)
+            decision = self._transport(phase, lambda group: _broadcast_json(None, group, self.rank), hint,
+                                       done_hint, False)
+        if decision["ok"]:
+            return decision["value"]
+        failures = {int(r): err for r, err in decision["failures"].items()}
+        raise self._error(phase, failures, hint) from local_exc
+
+    def _raise_local(self, phase: str, exc: BaseException, err: dict[str, Any], hint: str) -> None:
+        if isinstance(exc, CheckpointError):
+            raise exc
+        text = f"{self.what} failed during {phase!r}: {_one_line(err)}"
+        raise RankFailure("\n".join([text] + ([hint] if hint else [])), {0: _one_line(err)}) from exc
+
     def _error(self, phase: str, failures: dict[int, dict[str, Any]], hint: str) -> CheckpointError:
         ranks = sorted(failures)
         kinds = {failures[r]["portable"] for r in ranks}
@@ -358,6 +433,7 @@ class Coordinator:
             return bool(flag)
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         self._transport(phase, lambda group: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group), "")
+        _count(4, 4)
         return bool(t.item())
 
     def _exchange(self, phase: str, payload: dict[str, Any], hint: str, done_hint: str) -> list[dict[str, Any]]:
@@ -573,9 +649,75 @@ class Coordinator:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(outs, buf, group=group)
+        _count(8, 8 * (self.world_size - 1))
+        _count(longest, longest * (self.world_size - 1))
         return [
             json.loads(bytes(o[: int(n.item())].numpy()).decode()) for o, n in zip(outs, sizes, strict=True)
         ]
+
+
+SLOT = 1024  # payload bytes each rank sends (and receives) in one gather (broadcast)
+MAX_FAILURES = 64  # failures a decision names one by one (the others are counted)
+STATS = {"rounds": 0, "sent": 0, "received": 0}  # this process's checkpoint collectives (bench)
+
+
+def _capped(failures: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    ranks = sorted(failures)
+    out = {str(r): failures[r] for r in ranks[:MAX_FAILURES]}
+    if len(ranks) > MAX_FAILURES:
+        last = ranks[MAX_FAILURES]
+        rest = len(ranks) - MAX_FAILURES
+        out[str(last)] = {**failures[last], "message": f"(and {rest - 1} more ranks) " + str(failures[last].get("message", ""))}
+    return out
+
+
+def _framed(data: bytes, size: int) -> torch.Tensor:
+    """``data``'s first ``size`` bytes after an 8-byte length, in a uint8 tensor of 8 + size."""
+    buf = torch.zeros(8 + size, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    part = data[:size]
+    if part:
+        buf[8 : 8 + len(part)] = torch.frombuffer(bytearray(part), dtype=torch.uint8)
+    return buf
+
+
+def _frame_len(buf: torch.Tensor) -> int:
+    return int(buf[:8].view(torch.int64).item())
+
+
+def _count(sent: int, received: int) -> None:
+    STATS["rounds"] += 1
+    STATS["sent"] += sent
+    STATS["received"] += received
+
+
+def _gather_slots(data: bytes, group: Any, rank: int, world: int, size: int) -> list[torch.Tensor] | None:
+    """One gather of ``data``'s first ``size`` bytes (framed) from every rank to rank 0."""
+    buf = _framed(data, size)
+    outs = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+    dist.gather(buf, outs, dst=0, group=group)
+    _count(len(buf) if rank else 0, len(buf) * (world - 1) if rank == 0 else 0)
+    return outs
+
+
+def _broadcast_json(decision: dict[str, Any] | None, group: Any, rank: int) -> dict[str, Any]:
+    """Rank 0's ``decision`` on every rank: one broadcast of SLOT bytes, and a second one for
+    the rest of a longer decision."""
+    data = json.dumps(decision, separators=(",", ":")).encode() if rank == 0 else b""
+    buf = _framed(data, SLOT)
+    dist.broadcast(buf, src=0, group=group)
+    n = _frame_len(buf)
+    _count(len(buf) if rank == 0 else 0, len(buf) if rank else 0)
+    raw = bytes(buf[8 : 8 + min(n, SLOT)].numpy()) if rank else data
+    if n > SLOT:
+        rest = torch.zeros(n - SLOT, dtype=torch.uint8)
+        if rank == 0:
+            rest[:] = torch.frombuffer(bytearray(data[SLOT:]), dtype=torch.uint8)
+        dist.broadcast(rest, src=0, group=group)
+        _count(len(rest) if rank == 0 else 0, len(rest) if rank else 0)
+        if rank:
+            raw += bytes(rest.numpy())
+    return json.loads(raw.decode())
 
 
 def _store_address() -> str:

@@ -37,11 +37,12 @@ import torch
 import xxhash
 
 from ._storage import is_remote
-from ._validate import check_manifest
+from ._validate import check_manifest, check_manifest_v3
 from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 
 FORMAT = "safeckpt"
-FORMAT_VERSION = 2  # 2: manifest checksum (CHECKSUM_FIELD), escaped tensor keys
+FORMAT_VERSION = 3  # 2: manifest checksum (CHECKSUM_FIELD), escaped tensor keys; 3: chunks in per-file indexes
+READABLE_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 CHECKSUM_FIELD = "manifest_xxh3_128"
 MAX_MANIFEST_ENV = "SAFECKPT_MAX_MANIFEST_BYTES"
@@ -233,8 +234,8 @@ def parse_manifest(raw: bytes, ckpt_dir: str) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path}: {_EDITED}", path=ckpt_dir)
     try:
         man = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpoint(f"{path} is not valid JSON ({exc})", path=ckpt_dir) from exc
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: also Python's int-string limit
+        raise CorruptCheckpoint(f"{path} is not valid JSON ({str(exc)[:200]})", path=ckpt_dir) from None
     except RecursionError:
         raise CorruptCheckpoint(f"{path} is nested too deeply", path=ckpt_dir) from None
     validate_manifest(man, ckpt_dir, checksum_checked=signed)
@@ -275,16 +276,19 @@ def validate_manifest(man: Any, ckpt_dir: str, *, checksum_checked: bool = False
             f"format version {version!r} is newer than this safeckpt understands "
             f"({FORMAT_VERSION}); upgrade safeckpt"
         )
-    if version < FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise bad(
             f"format version {version} (written by safeckpt 0.1) has no manifest checksum, so "
-            "edits cannot be detected; this safeckpt reads version 2 only. Load it with "
+            "edits cannot be detected; this safeckpt reads versions 2 and 3 only. Load it with "
             "safeckpt 0.1 and save it again."
         )
     digest = man.get(CHECKSUM_FIELD)
     if not checksum_checked and (not isinstance(digest, str) or digest != manifest_digest(man)):
         raise bad(_EDITED)
-    check_manifest(man, where, ckpt_dir, file_ok=lambda n: safe_file_path(ckpt_dir, n), dtype_size=dtype_size)
+    if version == 3:
+        check_manifest_v3(man, where, ckpt_dir, file_ok=lambda n: safe_file_path(ckpt_dir, n), dtype_size=dtype_size)
+    else:
+        check_manifest(man, where, ckpt_dir, file_ok=lambda n: safe_file_path(ckpt_dir, n), dtype_size=dtype_size)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import xxhash
 
-from ._manifest import safe_file_path, torch_dtype
+from ._format3 import FORMAT_V3, Layout
+from ._manifest import dtype_size, safe_file_path, torch_dtype
 from ._shardfile import HASH_BUFFER, IOV_MAX, header_problems
 from ._storage import Storage, storage_for
 from ._tree import is_dtensor
@@ -511,6 +512,13 @@ def open_data_file(ckpt_dir: str, name: str, size: int, store: Storage | None = 
     return store.open(safe_file_path(ckpt_dir, name), size, ckpt_dir, likely)
 
 
-def open_manifest(ckpt_dir: str, store: Storage | None = None) -> dict[str, Any]:
-    """Read a committed checkpoint's manifest or raise CheckpointNotFound / CorruptCheckpoint."""
-    return (store or storage_for(ckpt_dir)).read_manifest(ckpt_dir)
+def open_manifest(ckpt_dir: str, store: Storage | None = None, *, full: bool = True) -> dict[str, Any]:
+    """Read a committed checkpoint's manifest or raise CheckpointNotFound / CorruptCheckpoint.
+
+    A format-3 manifest comes in format 2's shape, with every file's index read and checked
+    (``full``), or as stored (``full=False``: see ``_format3.Layout`` for reading parts)."""
+    store = store or storage_for(ckpt_dir)
+    man = store.read_manifest(ckpt_dir)
+    if full and man.get("format_version") == FORMAT_V3:
+        return Layout(man, ckpt_dir, store, dtype_size).view()
+    return man

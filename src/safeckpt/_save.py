@@ -1,16 +1,20 @@
-"""One collective save: agree -> stage -> write -> commit.
+"""One collective save: agree (and stage) -> write (and commit).
 
-Call sequence (every step is a Coordinator phase, so a failure anywhere is reported on every
-rank and no rank waits forever):
+Two exchanges, each a gather to the coordinator and a broadcast of its decision (see
+``Coordinator.decide``), so a rank sends and receives O(1) bytes whatever the world size:
 
-1. agree   (all ranks)    encode the state; exchange path, step, layout hash, shard boxes and,
-                          optionally, replica digests; mismatch -> RankMismatch, nothing written.
-2. stage   (coordinator)  check the target, prepare the staging place (``_commit.begin``).
-   probe   (all ranks)    with a staging directory: every rank sees it (shared storage), before
-                          anything is written.
-3. write   (all ranks)    write this rank's file (its share of replicated bytes, its shards, its
-                          per-rank state) with checksums, durably; report sizes and hashes.
-4. commit  (coordinator)  check every file's size, write the manifest, publish atomically.
+1. agree  (all ranks)    encode the state; send path, step, a hash of the layout (keys, dtypes,
+                         shapes, scopes, DTensor placements), a combined digest of the replicated
+                         tensors, the hash of the object trees, and the boxes of any shard the
+                         DTensor rule does not describe (usually none).
+          (coordinator)  compare; a mismatch asks every rank for the details (one more
+                         exchange, only then) and raises RankMismatch naming them, nothing
+                         written. Else check the target and prepare the staging place.
+2. commit (all ranks)    write this rank's file (its share of replicated bytes, its shards, its
+                         per-rank state, and the file's index of chunks and checksums: see
+                         ``_fileindex``), durably; send its size, checksum and index location.
+          (coordinator)  check every file, write the format-3 manifest (``_format3``),
+                         publish atomically, and tell every rank.
 
 The storage steps are ``safeckpt._commit``'s, on the path's :class:`~safeckpt._storage.Storage`
 (a local directory or an object store): one job class serves both. On any failure the
@@ -27,9 +31,9 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -38,13 +42,15 @@ from torch import nn
 from . import __version__, _commit
 from ._catalog import remember_published
 from ._dist import Coordinator
+from ._fileindex import IndexBuilder
 from ._manifest import FORMAT, FORMAT_VERSION, CheckpointInfo
-from ._manifest_text import ManifestPieces
+from ._manifest_text import dumps as manifest_dumps
 from ._manifest_text import encode as encode_manifest_text
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._shardfile import tensor_bytes
+from ._sharding import Mesh, box_at, dims_of, mesh_record, writes
 from ._staging import PendingCopies, copy_aside
 from ._storage import Storage, resolve, storage_for
 from ._tree import EncodedObject, Leaf, encode_state, escape_key, param_names
@@ -105,13 +111,19 @@ class _SaveJob:
         self.check_replicas = check_replicas
         self.objects: list[EncodedObject] = []
         self.leaves: dict[str, Leaf] = {}
-        self.tensor_table: dict[str, dict[str, Any]] = {}
         self.items: list[tuple[str, torch.Tensor]] = []
-        self.records: list[dict[str, Any]] = []
         self.aliases: dict[str, str] = {}  # key -> the key whose bytes it shares (stored once)
         self.from_rank0: set[str] = set()  # replicated keys written by rank 0 alone, unchecked
         self.copies = PendingCopies()  # snapshot copies still running on a GPU
-        self.pieces = ManifestPieces()  # the plan's cached manifest JSON (set with the plan)
+        self.staging: dict[str, str] | None = None  # set by the agreement (the coordinator staged)
+        self.irregular: dict[str, list[list[Any]]] = {}  # key -> [[writer rank, offsets, sizes]]
+        self.rank0_trees = ""  # hash of rank 0's object trees (see _trees)
+        self.plan: _Plan | None = None
+        # Coordinator hooks (the manager's): run before staging (take the lease, sweep), and
+        # after publishing (retention; its error is reported, the checkpoint stays committed).
+        self.before_stage: Callable[[], None] | None = None
+        self.after_commit: Callable[[int | None], None] | None = None
+        self.after_commit_hint = ""
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -122,30 +134,19 @@ class _SaveJob:
             return self.finish()
 
     def agree(self) -> None:
-        """Phase 1 (all ranks): encode, check agreement, and fix this rank's write items."""
+        """Phase 1 (all ranks): encode, check agreement; the coordinator stages."""
         with paused_gc():
-            self._agree_and_plan()
-
-    def _agree_and_plan(self) -> None:
-        agreed = self.coord.run("agree", self._agree, hint="Nothing was written.")
-        self._check_agreement(agreed)
-        self.items, self.records, self.tensor_table, self.pieces = self._planned_items()
-
-    def _tensor_table(self) -> dict[str, dict[str, Any]]:
-        """The manifest's tensor records without chunks (read-only once built: it is cached)."""
-        table = {}
-        for k, leaf in sorted(self.leaves.items()):
-            rec = {"dtype": leaf.dtype, "shape": leaf.shape, "scope": leaf.scope}
-            if leaf.scope == "sharded":
-                rec["placement"] = placement_of(leaf.tensor)
-            if k in self.aliases:
-                rec["alias_of"] = self.aliases[k]
-            table[k] = rec
-        return table
+            decision = self.coord.decide("agree", self._agree, self._resolve_agree, hint="Nothing was written.")
+            if "ask" in decision:  # the ranks disagree: one more exchange to say exactly how
+                decision = self._explain(decision["ask"])
+            self.staging = decision["staging"]
+            self.irregular = decision["irregular"]
+            self.rank0_trees = decision["trees"]
 
     def snapshot(self, pool: SnapshotPool) -> None:
         """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
         caller may change the live state while the rest of the save runs in the background."""
+        self._plan()
         srcs = [t for _, t in self.items]  # plain tensors: shards are local already
         with paused_gc():
             staged, bufs = pool.staged(self.plan_key, self.items)
@@ -155,29 +156,26 @@ class _SaveJob:
         self.state = {}
 
     def finish(self) -> CheckpointInfo:
-        """Phases 2-4: stage (coordinator), write (all ranks), commit (coordinator)."""
+        """Phase 2: write (all ranks), then check, write the manifest and publish (coordinator)."""
         self.copies.wait()  # an async save's device-to-host copies
-        staging = self.coord.run("stage", self._stage, hint="Nothing was written.")[0]
+        staging = self.staging
         try:
-            if self.store.renames and self.coord.world_size > 1:
-                self.coord.run("probe", lambda: _commit.probe(self.store, staging, self.coord.rank),
-                               hint="Nothing was written.")
-            written = self.coord.run(
-                "write", lambda: self._write(staging),
-                hint="No checkpoint was published; the previous one (if any) is intact.",
-            )
-            info = self.coord.run(
-                "commit", lambda: self._commit(staging, written),
+            info = self.coord.decide(
+                "commit", lambda: self._write(staging), lambda written: self._commit(staging, written),
                 hint="No checkpoint was published; the previous one (if any) is intact.",
                 done_hint=f"Rank 0 published the checkpoint {self.target} before the failure: "
                 "it is complete and loadable.",
-            )[0]
+            )
         except BaseException:
             if self.coord.is_coordinator and staging:
                 _commit.discard(self.store, self.target, staging)
             raise
+        after = info.pop("after_commit_error", None)
+        if after is not None:
+            raise CheckpointError(f"{self.coord.what}: {after}. {self.after_commit_hint}".rstrip())
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
 
+    # ---------------------------------------------------------------- agreement
     def _agree(self) -> dict[str, Any]:
         if not isinstance(self.state, Mapping):
             raise TypeError(f"state must be a dict of name -> value, got {type(self.state).__name__}")
@@ -199,30 +197,64 @@ class _SaveJob:
         self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
                            for k in ddp_broadcast_buffers(name, v)
                            if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
+        self.meshes: dict[int, tuple[Any, str]] = {}  # id(mesh) -> (record, its JSON), this save
         layout = self._layout()
-        boxes = {
-            k: _local_box(leaf.tensor) for k, leaf in self.leaves.items() if leaf.scope == "sharded"
-        }
         self.layout = layout
         # A digest for the other ranks to compare with theirs; one rank agrees with itself, and
         # for 4,000 tensors the digest costs 3 ms of the time an async save blocks.
-        self.layout_hash = hashlib.sha256(json.dumps(layout).encode()).hexdigest() if self.coord.world_size > 1 else ""
+        single = self.coord.world_size == 1
+        self.layout_hash = "" if single else hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+        self.digests = self._replica_digests() if self._replica_mode() != "off" else None
+        combined = None if self.digests is None else xxhash.xxh3_128_hexdigest(json.dumps(sorted(self.digests.items())).encode())
+        self.my_trees = {o.name: o.tree for o in self.objects if not _single_ref(o.tree)}
+        self.trees_hash = "" if single else xxhash.xxh3_64_hexdigest(
+            json.dumps(self.my_trees, sort_keys=True, allow_nan=True, default=str).encode())
         return {
             "path": self.target,
             "step": self.step,
             "overwrite": self.overwrite,
             "layout_hash": self.layout_hash,
-            "boxes": boxes,
-            "digests": self._replica_digests() if self._replica_mode() != "off" else None,
+            "digest": combined,
+            "trees": self.trees_hash,
+            "irregular": self._irregular_boxes(),
         }
 
     def _layout(self) -> list[Any]:
         objs = [[o.name, o.kind] for o in self.objects]
         tensors = [
-            [k, leaf.dtype, leaf.shape, leaf.scope, self.aliases.get(k)]
+            [k, leaf.dtype, leaf.shape, leaf.scope, self.aliases.get(k), self._sharding_of(leaf)]
             for k, leaf in sorted(self.leaves.items())
         ]
         return [objs, tensors, sorted(self.from_rank0)]
+
+    def _sharding_of(self, leaf: Leaf) -> list[Any] | None:
+        """[mesh record as JSON, placements] of a sharded leaf (None: not sharded)."""
+        if leaf.scope != "sharded":
+            return None
+        t = leaf.tensor
+        mesh = t.device_mesh
+        known = self.meshes.get(id(mesh))
+        if known is None:
+            rec = mesh_record(t)
+            known = self.meshes[id(mesh)] = (rec, json.dumps(rec, sort_keys=True))
+        return [known[1], dims_of(t) or [str(p) for p in t.placements]]
+
+    def _irregular_boxes(self) -> dict[str, Any]:
+        """This rank's box of every sharded tensor the DTensor rule does not describe here."""
+        out = {}
+        rank = self.coord.rank
+        for k, leaf in self.leaves.items():
+            if leaf.scope != "sharded" or k in self.aliases:
+                continue
+            box = _local_box(leaf.tensor)
+            dims = dims_of(leaf.tensor)
+            if dims is not None:
+                rec = self.meshes[id(leaf.tensor.device_mesh)][0]
+                coord = Mesh(rec).coord_of(rank)
+                if coord is not None and list(box_at(leaf.shape, rec["shape"], coord, dims)) == box:
+                    continue
+            out[k] = box
+        return out
 
     def _replica_mode(self) -> str:
         """``auto``: refuse differing replicas whenever there is more than one rank. A
@@ -239,162 +271,221 @@ class _SaveJob:
             if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0
         }
 
-    def _check_agreement(self, agreed: list[dict[str, Any]]) -> None:
+    def _resolve_agree(self, agreed: list[dict[str, Any]]) -> dict[str, Any]:
+        """Coordinator: compare what every rank sent; stage, or ask for details of a mismatch."""
         ref = agreed[0]
         problems = []
         for field in ("path", "step", "overwrite"):
             for r, a in enumerate(agreed):
                 if a[field] != ref[field]:
                     problems.append(f"rank {r} was called with {field}={a[field]!r} but rank 0 with {ref[field]!r}")
-        if not problems and any(a["layout_hash"] != ref["layout_hash"] for a in agreed):
-            layouts = self.coord.run("describe-layout", self._layout)
-            problems += _layout_differences(layouts)
         if problems:
-            raise RankMismatch(
-                f"save to {self.target}: ranks disagree, nothing was written:\n  "
-                + "\n  ".join(problems[:20])
-                + "\nEvery rank must call save() with the same path/step and the same state "
-                "structure (compute paths on one rank, or from the step, not from a clock)."
-            )
-        mode = self._replica_mode()
-        if mode != "off" and ref["digests"] is not None:
-            bad = sorted({
-                f"rank {r}: {k}"
-                for r, a in enumerate(agreed)
-                for k, d in (a["digests"] or {}).items()
-                if ref["digests"].get(k) != d
-            })
-            if bad:
-                msg = (
-                    f"save to {self.target}: replicated tensors differ from rank 0's on "
-                    + "; ".join(bad[:10])
-                    + ". A tensor that is not sharded is saved once for all ranks, so the "
-                    "other ranks' values would be lost. If it is meant to differ per rank, wrap "
-                    "its entry in safeckpt.PerRank(...) (kept per rank); if not, the ranks have "
-                    "diverged (different init seeds, a rank-local update). Nothing was written."
-                )
-                if mode == "error":
-                    raise RankMismatch(msg)
-                import warnings
+            raise self._mismatch(problems)
+        if any(a["layout_hash"] != ref["layout_hash"] for a in agreed):
+            return {"ask": "layout"}
+        if self._replica_mode() != "off" and any(a["digest"] != ref["digest"] for a in agreed):
+            return {"ask": "replicas"}
+        self._agreed = agreed
+        return self._stage(agreed)
 
-                from .errors import SafeckptWarning
+    def _mismatch(self, problems: list[str]) -> RankMismatch:
+        return RankMismatch(
+            f"save to {self.target}: ranks disagree, nothing was written:\n  "
+            + "\n  ".join(problems[:20])
+            + "\nEvery rank must call save() with the same path/step and the same state "
+            "structure (compute paths on one rank, or from the step, not from a clock)."
+        )
 
-                warnings.warn(msg, SafeckptWarning, stacklevel=3)
-        self.boxes = [a["boxes"] for a in agreed]
+    def _explain(self, what: str) -> dict[str, Any]:
+        """The second exchange after a mismatch of layouts or replicas: every rank sends the
+        full description, the coordinator names the differences (and, for replicas in "warn"
+        mode, warns and stages after all)."""
+        if what == "layout":
+            self.coord.decide("describe-layout", self._layout,
+                              lambda layouts: _raise(self._mismatch(_layout_differences(layouts))),
+                              hint="Nothing was written.")
+            raise AssertionError("unreachable: describe-layout always raises")
+        decision = self.coord.decide("describe-replicas", lambda: self.digests, self._replicas_differ,
+                                     hint="Nothing was written.")
+        import warnings
 
-    def _stage(self) -> dict[str, str] | None:
-        if not self.coord.is_coordinator:
-            return None
-        return _commit.begin(self.store, self.target, self.overwrite)
+        from .errors import SafeckptWarning
 
-    def _planned_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]], dict[str, Any],
-                                      ManifestPieces]:
-        """:meth:`_my_items`, the tensor table and the manifest's JSON pieces, from a cache
-        keyed by the agreed layout: a training loop saves the same layout every time, and for
-        thousands of tensors planning is a large part of the time an async save blocks."""
-        sharded = any(leaf.scope == "sharded" for leaf in self.leaves.values())
-        placements = json.dumps([self.boxes, [placement_of(leaf.tensor) for _, leaf in sorted(self.leaves.items())
-                                              if leaf.scope == "sharded"]]) if sharded else ""
+        warnings.warn(decision["warning"], SafeckptWarning, stacklevel=4)
+        return decision
+
+    def _replicas_differ(self, digests: list[dict[str, str]]) -> dict[str, Any]:
+        ref = digests[0]
+        bad = sorted({f"rank {r}: {k}" for r, d in enumerate(digests) for k, v in (d or {}).items()
+                      if ref.get(k) != v})
+        msg = (
+            f"save to {self.target}: replicated tensors differ from rank 0's on "
+            + "; ".join(bad[:10])
+            + ". A tensor that is not sharded is saved once for all ranks, so the "
+            "other ranks' values would be lost. If it is meant to differ per rank, wrap "
+            "its entry in safeckpt.PerRank(...) (kept per rank); if not, the ranks have "
+            "diverged (different init seeds, a rank-local update). Nothing was written."
+        )
+        if self._replica_mode() == "error":
+            raise RankMismatch(msg)
+        return {**self._stage(self._agreed_for_warn(digests)), "warning": msg}
+
+    def _agreed_for_warn(self, digests: list[Any]) -> list[dict[str, Any]]:
+        """The first exchange's values (kept by the coordinator) for staging after a warning."""
+        return getattr(self, "_agreed", None) or [{"irregular": {}, "trees": ""} for _ in digests]
+
+    def _stage(self, agreed: list[dict[str, Any]]) -> dict[str, Any]:
+        """Coordinator: writers of irregular shards, then the manager's hook and the staging."""
+        irregular = self._owners([a["irregular"] for a in agreed])
+        if self.before_stage is not None:
+            self.before_stage()
+        staging = _commit.begin(self.store, self.target, self.overwrite)
+        return {"staging": staging, "irregular": irregular, "trees": agreed[0]["trees"]}
+
+    def _owners(self, boxes: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
+        """For each shard not described by the DTensor rule on some rank: every rank's box (the
+        rule's where it held), one writer per distinct box (replicas spread by key)."""
+        keys = sorted({k for b in boxes for k in b})
+        out: dict[str, list[list[Any]]] = {}
+        for k in keys:
+            leaf = self.leaves[k]
+            dims = dims_of(leaf.tensor)
+            rec = self.meshes[id(leaf.tensor.device_mesh)][0]
+            mesh = Mesh(rec)
+            holders: dict[str, list[int]] = {}
+            for r, b in enumerate(boxes):
+                box = b.get(k)
+                if box is None and dims is not None:
+                    coord = mesh.coord_of(r)
+                    box = list(box_at(leaf.shape, rec["shape"], coord, dims)) if coord is not None else None
+                if box is not None and 0 not in box[1]:
+                    holders.setdefault(json.dumps(box), []).append(r)
+            out[k] = [[ranks[zlib.crc32(k.encode()) % len(ranks)], *json.loads(box)]
+                      for box, ranks in sorted(holders.items())]
+        return out
+
+    # --------------------------------------------------------------------- plan
+    def _plan(self) -> None:
+        """This rank's write items and, from a cache keyed by the agreed layout (a training loop
+        saves the same layout every time), the manifest's tensor records and the file index."""
+        if self.plan is not None:
+            return
         layout, self.layout = self.layout, None  # freed now if an equal plan is cached (8,000 lists)
-        self.plan_key, cached = _cached_plan((layout, placements, self.coord.rank, self.coord.world_size))
+        key = (layout, json.dumps(self.irregular, sort_keys=True), self.coord.rank, self.coord.world_size)
+        self.plan_key, cached = _cached_plan(key)
         if cached is None:
-            items, records = self._my_items()
-            specs = [(name, rec["key"], _how(self.leaves[rec["key"]], rec))
-                     for (name, _), rec in zip(items, records, strict=True)]
-            cached = (specs, records, self._tensor_table(), ManifestPieces())
+            cached = self._new_plan()
             _PLANS.append((self.plan_key, cached))
             del _PLANS[:-8]
-        specs, records, table, pieces = cached
+        self.plan = cached
         items = []
         leaves = self.leaves
-        for name, key, how in specs:
-            t = leaves[key].tensor
+        for name, key_, how in cached.specs:
+            t = leaves[key_].tensor
             if how is not None:
                 t = t.to_local() if how == "local" else t.narrow(0, *how)
             items.append((name, t))
-        return items, records, table, pieces
+        self.items = items
 
-    def _my_items(self) -> tuple[list[tuple[str, torch.Tensor]], list[dict[str, Any]]]:
-        """What this rank writes: (name in file, tensor) plus a manifest record for each."""
+    def _new_plan(self) -> _Plan:
         rank, world = self.coord.rank, self.coord.world_size
-        items: list[tuple[str, torch.Tensor]] = []
-        records: list[dict[str, Any]] = []
-        specs = [
-            (k, leaf.shape, leaf.itemsize)
-            for k, leaf in sorted(self.leaves.items())
-            if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0
-        ]
-        if rank == 0:  # buffers DDP takes from rank 0: rank 0's values are the model's
-            for k in sorted(self.from_rank0):
-                leaf = self.leaves[k]
-                items.append((k, leaf.tensor))
-                records.append({"key": k, "name": k, "offsets": [0] * len(leaf.shape), "sizes": leaf.shape})
-        for piece in plan_replicated(specs, world):
-            if piece.rank != rank:
-                continue
-            leaf = self.leaves[piece.key]
-            t, shape = leaf.tensor, leaf.shape
-            if shape and (piece.row_start, piece.rows) != (0, shape[0]):
-                t = t.narrow(0, piece.row_start, piece.rows)
-                name = f"{piece.key}@{piece.row_start}"
-                sizes = [piece.rows, *shape[1:]]
-            else:
-                name, sizes = piece.key, shape
-            offsets = [piece.row_start] + [0] * (len(shape) - 1) if shape else []
-            items.append((name, t))
-            records.append({"key": piece.key, "name": name, "offsets": offsets, "sizes": sizes})
+        specs: list[tuple[str, str, Any]] = []  # (name in file, key, how to take it from the leaf)
+        records: dict[str, tuple[str, list[int], list[int]]] = {}  # name -> (key, offsets, sizes)
+        table: dict[str, dict[str, Any]] = {}
+        meshes: list[Any] = []
+        mesh_ids: dict[str, int] = {}
+
+        def add(name: str, key: str, how: Any, offsets: list[int], sizes: list[int]) -> None:
+            specs.append((name, key, how))
+            records[name] = (key, offsets, sizes)
 
         for k, leaf in sorted(self.leaves.items()):
-            if leaf.scope == "replicated":
-                continue
+            rec: dict[str, Any] = {"dtype": leaf.dtype, "shape": leaf.shape, "scope": leaf.scope}
             if k in self.aliases:
-                continue  # its bytes are the aliased tensor's, written once under that key
-            if leaf.scope == "per_rank":
-                items.append((k, leaf.tensor))
-                records.append({"key": k, "name": k, "offsets": [0] * leaf.tensor.dim(),
-                                "sizes": leaf.shape, "rank": rank})
+                rec["alias_of"] = self.aliases[k]
             elif leaf.scope == "sharded":
-                box = self.boxes[rank][k]
-                # replicas of a shard (HSDP) are written once, by one of their holders chosen
-                # per key (crc32 is the same on every rank) so writes spread over the replicas
-                holders = [r for r in range(world) if self.boxes[r][k] == box]
-                owner = holders[zlib.crc32(k.encode()) % len(holders)]
-                if owner != rank or 0 in box[1]:
-                    continue  # another rank writes this replica of the shard, or it is empty
-                name = f"{k}@" + ",".join(map(str, box[0]))
-                items.append((name, leaf.tensor.to_local()))
-                records.append({"key": k, "name": name, "offsets": box[0], "sizes": box[1]})
+                rec["placement"] = placement_of(leaf.tensor)
+                if k in self.irregular:
+                    rec["boxes"] = self.irregular[k]
+                else:
+                    mesh_json = self.meshes[id(leaf.tensor.device_mesh)][1]
+                    if mesh_json not in mesh_ids:
+                        mesh_ids[mesh_json] = len(meshes)
+                        meshes.append(json.loads(mesh_json))
+                    rec["sharding"] = {"mesh": mesh_ids[mesh_json], "dims": dims_of(leaf.tensor)}
+            elif leaf.scope == "replicated":
+                rec["pieces"] = []
+            table[k] = rec
 
-        return items, records
+        # Replicated: rank 0 writes the buffers DDP takes from it; the rest is spread by the plan.
+        for k in sorted(self.from_rank0):
+            leaf = self.leaves[k]
+            table[k]["pieces"] = [[0, 0, leaf.shape[0] if leaf.shape else 1]]
+            if rank == 0:
+                add(k, k, None, [0] * len(leaf.shape), leaf.shape)
+        specs_r = [(k, leaf.shape, leaf.itemsize) for k, leaf in sorted(self.leaves.items())
+                   if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0]
+        for piece in plan_replicated(specs_r, world):
+            shape = self.leaves[piece.key].shape
+            table[piece.key]["pieces"].append([piece.rank, piece.row_start, piece.rows])
+            if piece.rank != rank:
+                continue
+            if shape and (piece.row_start, piece.rows) != (0, shape[0]):
+                add(f"{piece.key}@{piece.row_start}", piece.key, (piece.row_start, piece.rows),
+                    [piece.row_start] + [0] * (len(shape) - 1), [piece.rows, *shape[1:]])
+            else:
+                add(piece.key, piece.key, None, [0] * len(shape), shape)
+        for rec in table.values():
+            if "pieces" in rec:
+                rec["pieces"].sort(key=lambda p: p[1])
 
-    def _write(self, staging: dict[str, str]) -> dict[str, Any]:
+        for k, leaf in sorted(self.leaves.items()):
+            if leaf.scope == "replicated" or k in self.aliases:
+                continue
+            if leaf.scope == "per_rank":
+                add(k, k, None, [0] * len(leaf.shape), leaf.shape)
+            elif k in self.irregular:
+                for r, offsets, sizes in self.irregular[k]:
+                    if r == rank:
+                        add(f"{k}@" + ",".join(map(str, offsets)), k, "local", offsets, sizes)
+            else:
+                sh = table[k]["sharding"]
+                box = writes(k, leaf.shape, Mesh(meshes[sh["mesh"]]), sh["dims"], rank)
+                if box is not None:
+                    add(f"{k}@" + ",".join(map(str, box[0])), k, "local", box[0], box[1])
+        return _Plan(specs, IndexBuilder(records), manifest_dumps(table), meshes)
+
+    # -------------------------------------------------------------------- write
+    def _write(self, staging: dict[str, str] | None) -> dict[str, Any]:
+        assert staging is not None, "finish() before agree()"
+        self._plan()
+        assert self.plan is not None
+        # Trees that differ from rank 0's (RNG states, data positions) go into this rank's index.
+        trees = self.my_trees if self.trees_hash != self.rank0_trees else {}
+        builder = self.plan.index
         fname, written = _retry_missing_dir(
-            lambda: _commit.write(self.store, staging, self.coord.rank, self.items, {"format": FORMAT}),
+            lambda: _commit.write(self.store, staging, self.coord.rank, self.items, {"format": FORMAT},
+                                  index=lambda names, spans: builder(names, spans, trees)),
             staging["path"],
         )
-        return self._report(fname, written)
+        return {"file": fname, "size": written.size, "xxh3_128": written.xxh3_128,
+                "data": written.data_start, "index": list(written.index), "trees": bool(trees)}
 
-    def _report(self, fname: str, written: Any) -> dict[str, Any]:
-        """What this rank tells the coordinator about the file it wrote: its chunks as
-        ManifestPieces.chunk_report renders them (the coordinator joins them without parsing)."""
-        return {
-            "file": fname,
-            "size": written.size,
-            "xxh3_128": written.xxh3_128,
-            "chunks": self.pieces.chunk_report(self.records, fname, written),
-            "objects": {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects},
-        }
-
-    def _commit(self, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any] | None:
-        if not self.coord.is_coordinator:
-            return None
+    def _commit(self, staging: dict[str, str] | None, written: list[dict[str, Any]]) -> dict[str, Any]:
+        assert staging is not None and self.plan is not None
         files = _commit.check_written(self.store, staging, written)
-        head, objects = self._manifest_head(files, written)
-        raw = encode_manifest_text(head, objects,
-                                   self.pieces.tensors_json(self.tensor_table, [w["chunks"] for w in written]))
+        head = self._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
+        objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
+        raw = encode_manifest_text(head, objects, self.plan.tensors_json)
         _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files)
         remember_published(self.store, self.target, head)
-        return self._committed_info(head, files)
+        info = self._committed_info(head, files)
+        if self.after_commit is not None:
+            try:
+                self.after_commit(self.step)
+            except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: say so on every rank
+                info["after_commit_error"] = f"{type(exc).__name__}: {exc}"
+        return info
 
     def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
         """What every rank learns about the checkpoint just published."""
@@ -406,14 +497,11 @@ class _SaveJob:
             "nbytes": sum(f["size"] for f in files.values()),
         }
 
-    def _manifest_head(self, files: dict[str, Any], written: list[dict[str, Any]]) -> tuple[dict[str, Any], dict]:
-        """The manifest's top-level fields before ``objects`` and ``tensors`` (in file order),
-        and its ``objects``; the tensor records come from the plan's pieces."""
-        objects: dict[str, Any] = written[0]["objects"]
-        if len(written) > 1:  # where other ranks' trees differ from rank 0's, they are kept too
-            objects = self._merged_objects(written)
+    def _manifest_head(self, files: dict[str, Any], rank_trees: list[int]) -> dict[str, Any]:
+        """The manifest's top-level fields before ``objects`` and ``tensors``."""
+        assert self.plan is not None
         now = time.time()
-        manifest = {
+        return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -425,21 +513,27 @@ class _SaveJob:
             "metadata": self.metadata,
             "metrics": self.metrics,
             "files": files,
+            "rank_trees": rank_trees,
+            "meshes": self.plan.meshes,
         }
-        return manifest, objects
 
-    @staticmethod
-    def _merged_objects(written: list[dict[str, Any]]) -> dict[str, Any]:
-        """Rank 0's objects, each with ``rank_trees`` holding the trees of the ranks whose trees differ."""
-        objects: dict[str, Any] = {}
-        for name, obj in written[0]["objects"].items():
-            others = {
-                str(r): w["objects"][name]["tree"]
-                for r, w in enumerate(written[1:], start=1)
-                if w["objects"][name]["tree"] != obj["tree"]
-            }
-            objects[name] = {**obj, "rank_trees": others} if others else obj
-        return objects
+
+class _Plan(NamedTuple):
+    """One rank's save plan for one layout (cached: the same every save of a training loop)."""
+
+    specs: list[tuple[str, str, Any]]  # (name in the file, tensor key, how: None | "local" | (start, rows))
+    index: IndexBuilder  # this rank's file index, chunk text cached per file layout
+    tensors_json: str  # the manifest's "tensors" object (the same on every rank)
+    meshes: list[Any]  # the manifest's "meshes"
+
+
+def _single_ref(tree: Any) -> bool:
+    """A tree that is one tensor reference (fixed by the layout, so never differs by rank)."""
+    return type(tree) is dict and len(tree) == 1 and "@tensor" in tree
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
 
 
 @contextlib.contextmanager
@@ -458,20 +552,10 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _how(leaf: Leaf, rec: dict[str, Any]) -> Any:
-    """How a planned write item comes from its leaf: whole (None), this rank's shard
-    ("local"), or a row range ((start, rows))."""
-    if leaf.scope == "sharded":
-        return "local"
-    if "rank" not in rec and rec["sizes"] != leaf.shape:
-        return (rec["offsets"][0], rec["sizes"][0])
-    return None
+_PLANS: list[tuple[tuple, Any]] = []  # (plan key, _Plan), newest last
 
 
-_PLANS: list[tuple[tuple, tuple]] = []  # (plan key, (item specs, records, table, JSON pieces)), newest last
-
-
-def _cached_plan(key: tuple) -> tuple[tuple, tuple | None]:
+def _cached_plan(key: tuple) -> tuple[tuple, Any]:
     """The cached (key, plan) whose key equals ``key``, else (``key``, None). Keys hold the
     layout itself and are compared, not hashed: comparing costs well under the 3 ms a digest
     of 4,000 tensors' layout takes, and the cached key object that is returned makes later

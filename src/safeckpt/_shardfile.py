@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
+from ._fileindex import INDEX_NAME
 from ._manifest import DTYPE_TO_ST, dtype_code, open_regular
 from .errors import CheckpointError, CorruptCheckpoint
 
@@ -93,6 +94,8 @@ class WrittenFile:
     names: Sequence[str]
     spans: Sequence[tuple[int, int]]
     digests: Sequence[str]
+    data_start: int = 0  # where the data section starts (after the header)
+    index: tuple[int, int, str] | None = None  # the file index's (start, end, xxh3-64), format 3
 
 
 def _write_all(fd: int, bufs: list[memoryview]) -> None:
@@ -220,15 +223,23 @@ def stream_safetensors(
     metadata: dict[str, str],
     write: Callable[[memoryview], None],
     written_upto: Callable[[int], None] | None = None,
+    index: Callable[[Sequence[str], Sequence[tuple[int, int]]], Any] | None = None,
 ) -> WrittenFile:
     """Emit ``items`` as one safetensors stream through ``write``, hashing while writing.
 
     The one layout both the local writer and the object-store writer use: tensors in order of
     descending element size (every tensor aligned), header padded to 8 bytes.
     ``written_upto(pos)`` is told after each piece how many bytes have been written.
+    ``index(names, spans)`` (format 3): given the chunks' names and data-relative spans in file
+    order, an IndexTail (see ``_fileindex``) written as the file's last tensor once every
+    chunk's checksum is known.
     """
     items = list(items)
-    layout = _header(items, metadata)
+    tail = None
+    if index is not None:
+        order = _header(items, metadata)
+        tail = index(order.names, [(s - len(order.header), e - len(order.header)) for s, e in order.spans])
+    layout = _header(items, metadata, tail.size if tail is not None else -1)
     file_hash = xxhash.xxh3_128(layout.header)
     write(memoryview(layout.header))
     digests: list[str] = []
@@ -247,7 +258,17 @@ def stream_safetensors(
         else:
             digests.append(_stream_pieces(data, start, file_hash, write, written_upto))
     size = layout.spans[-1][1] if layout.spans else len(layout.header)
-    return WrittenFile(size, file_hash.hexdigest(), layout.header, layout.names, layout.spans, digests)
+    index_rec = None
+    if tail is not None:
+        data = tail.render(digests)
+        file_hash.update(data)
+        write(memoryview(data))
+        index_rec = (size, size + len(data), one_shot(data))
+        size += len(data)
+        if written_upto is not None:
+            written_upto(size)
+    return WrittenFile(size, file_hash.hexdigest(), layout.header, layout.names, layout.spans, digests,
+                       len(layout.header), index_rec)
 
 
 def _stream_pieces(data: memoryview, pos: int, file_hash: Any, write: Callable[[memoryview], None],
@@ -274,20 +295,21 @@ class _Layout(NamedTuple):
     spans: list[tuple[int, int]]
 
 
-def _header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> _Layout:
+def _header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str], tail: int = -1) -> _Layout:
     """The file layout of ``items``, cached by names, dtypes and shapes: a training loop writes
     the same layout every time, and for 4,000 tensors building and encoding the header took
     7 ms of the save; the key takes under 1 ms."""
-    key = (tuple([(name, t.dtype, t.shape) for name, t in items]), tuple(metadata.items()))
+    key = (tuple([(name, t.dtype, t.shape) for name, t in items]), tuple(metadata.items()), tail)
     hit = _HEADERS.get(key)
     if hit is None:
-        hit = _HEADERS[key] = _build_header(items, metadata)
+        hit = _HEADERS[key] = _build_header(items, metadata, tail)
         while len(_HEADERS) > 4:
             _HEADERS.pop(next(iter(_HEADERS)), None)
     return hit
 
 
-def _build_header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> _Layout:
+def _build_header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str], tail: int = -1) -> _Layout:
+    """``tail`` >= 0: a U8 tensor of that many bytes, the file index, follows the chunks."""
     order = sorted(range(len(items)), key=lambda i: -items[i][1].element_size())
     header: dict[str, object] = {"__metadata__": metadata}
     offsets = []
@@ -298,6 +320,8 @@ def _build_header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str
         header[name] = {"dtype": dtype_code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offsets.append((offset, offset + nbytes))
         offset += nbytes
+    if tail >= 0:
+        header[INDEX_NAME] = {"dtype": "U8", "shape": [tail], "data_offsets": [offset, offset + tail]}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
@@ -308,13 +332,14 @@ def _build_header(items: list[tuple[str, torch.Tensor]], metadata: dict[str, str
 _HEADERS: dict[tuple, _Layout] = {}  # layout key -> layout, newest last
 
 
-def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> WrittenFile:
+def write_file(path: str, items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str],
+               index: Any = None) -> WrittenFile:
     """Write ``items`` (name, tensor) as a safetensors file at ``path`` (must not exist), fsynced."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         writeback = _EarlyWriteback(fd)
         out = _BatchedWriter(fd, writeback.advance)
-        written = stream_safetensors(items, metadata, out.write)
+        written = stream_safetensors(items, metadata, out.write, index=index)
         out.flush()
         os.fsync(fd)
         writeback.finish()

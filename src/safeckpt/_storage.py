@@ -132,7 +132,7 @@ class Storage(ABC):
 
     # ------------------------------------------------------------------ write
     @abstractmethod
-    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str]) -> Any:
+    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> Any:
         """Stream ``items`` as one new safetensors file at ``path`` (hashed while written) and
         return its ``WrittenFile``. Durable once it returns; on failure nothing is completed."""
 

@@ -226,12 +226,12 @@ class FsspecStorage(Storage):
         return size, stream_hash(self, path, size, progress)
 
     # ------------------------------------------------------------------ write
-    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str]) -> WrittenFile:
+    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> WrittenFile:
         """One streamed upload (the filesystem's buffered file); abandoned on any error."""
         with self._errors(path, "uploading"):
             f = self.fs.open(self._path(path), "wb")
             try:
-                written = stream_safetensors(items, metadata, f.write)
+                written = stream_safetensors(items, metadata, f.write, index=index)
             except BaseException:
                 _abandon(f)
                 raise

@@ -195,8 +195,8 @@ class PosixStorage(Storage):
         return hash_file(path, progress=progress)
 
     # ------------------------------------------------------------------ write
-    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str]) -> Any:
-        return write_file(path, items, metadata)
+    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> Any:
+        return write_file(path, items, metadata, index)
 
     def put(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         if exclusive:

@@ -46,12 +46,12 @@ class S3Storage(FsspecStorage):
         with self._errors(url, doing):
             return self._s3(method, **kwargs).result()
 
-    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str]) -> WrittenFile:
+    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> WrittenFile:
         hint = sum(t.numel() * t.element_size() for _, t in items)
         part = hint + (1 << 20) if hint < 2 * PART else max(PART, -(-hint // MAX_PARTS))
         upload = MultipartWriter(self, path, part=part)
         try:
-            written = stream_safetensors(items, metadata, upload.write)
+            written = stream_safetensors(items, metadata, upload.write, index=index)
             upload.finish()
         except BaseException:
             upload.abort()

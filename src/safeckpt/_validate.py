@@ -77,15 +77,7 @@ def check_manifest(man: dict[str, Any], where: str, ckpt: str, *,
 
 
 def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
-    world = _int(man.get("world_size"), "'world_size'", 1, MAX_WORLD)
-    step = man.get("step")
-    if step is not None:
-        _int(step, "'step'")
-    if not isinstance(man.get("created_at", ""), str):
-        raise _Bad("'created_at' must be a string")
-    for key in ("metadata", "metrics"):
-        if man.get(key) is not None:
-            _dict(man[key], f"{key!r}")
+    world = _check_head(man)
     files = _dict(man.get("files"), "'files'")
     tensors = _dict(man.get("tensors"), "'tensors'")
     objects = _dict(man.get("objects"), "'objects'")
@@ -103,6 +95,24 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
             _check_alias(key, rec, tensors)
         elif not _tensor_ok(key, rec, files, world, dtype_size):
             _check_tensor(key, rec, files, world, dtype_size)
+    _check_objects(objects, tensors, world)
+
+
+def _check_head(man: dict[str, Any]) -> int:
+    """The top-level scalars; the world size."""
+    world = _int(man.get("world_size"), "'world_size'", 1, MAX_WORLD)
+    step = man.get("step")
+    if step is not None:
+        _int(step, "'step'")
+    if not isinstance(man.get("created_at", ""), str):
+        raise _Bad("'created_at' must be a string")
+    for key in ("metadata", "metrics"):
+        if man.get(key) is not None:
+            _dict(man[key], f"{key!r}")
+    return world
+
+
+def _check_objects(objects: dict[str, Any], tensors: dict[str, Any], world: int) -> None:
     referenced: set[str] = set()
     for name, obj in objects.items():
         if not isinstance(name, str) or not name or "/" in name or name.startswith("@"):
@@ -123,15 +133,164 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
                 raise _Bad(f"object {name!r} has a tree for rank {r!r:.20} of a {world}-rank save")
             trees.append(tree)
         for tree in trees:
-            for ref in _tree_refs(tree, f"object {name!r}", 0):
-                if ref not in tensors:
-                    raise _Bad(f"object {name!r} refers to tensor {ref!r:.200} that the manifest does not describe")
-                referenced.add(ref)
+            referenced.update(check_tree(tree, f"object {name!r}", tensors))
         if obj["kind"] == "tensor" and not (isinstance(obj["tree"], dict) and set(obj["tree"]) == {"@tensor"}):
             raise _Bad(f"object {name!r} is a tensor but its tree is not a tensor reference")
     orphans = sorted(set(tensors) - referenced)
     if orphans:
         raise _Bad(f"tensor {orphans[0]!r:.200} is described but no object refers to it")
+
+
+def check_tree(tree: Any, what: str, tensors: dict[str, Any]) -> set[str]:
+    """The tensor keys a well-formed ``tree`` refers to, each described in ``tensors``."""
+    refs = set()
+    for ref in _tree_refs(tree, what, 0):
+        if ref not in tensors:
+            raise _Bad(f"{what} refers to tensor {ref!r:.200} that the manifest does not describe")
+        refs.add(ref)
+    return refs
+
+
+# ------------------------------------------------------------------ format 3
+def check_manifest_v3(man: dict[str, Any], where: str, ckpt: str, *, file_ok: Any, dtype_size: Any) -> None:
+    """:func:`check_manifest` for format 3 (chunks in per-file indexes, see ``_format3``): every
+    field of the manifest itself; each file's index is checked against it when it is read."""
+    try:
+        _check_v3(man, file_ok, dtype_size)
+    except _Bad as exc:
+        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
+    except CorruptCheckpoint as exc:
+        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: nested too deeply", path=ckpt) from None
+
+
+def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
+    world = _check_head(man)
+    files = _dict(man.get("files"), "'files'")
+    tensors = _dict(man.get("tensors"), "'tensors'")
+    objects = _dict(man.get("objects"), "'objects'")
+    meshes = _list(man.get("meshes", []), "'meshes'")
+    has_file: set[int] = set()
+    for name, rec in files.items():
+        file_ok(name)
+        what = f"file {name!r}"
+        rec = _dict(rec, what)
+        size = _int(rec.get("size"), f"size of {what}")
+        _hex(rec.get("xxh3_128"), f"checksum of {what}", 32)
+        rank = _int(rec.get("rank"), f"rank of {what}", 0, world - 1)
+        if rank in has_file:
+            raise _Bad(f"two files of rank {rank}")
+        has_file.add(rank)
+        index = _list(rec.get("index"), f"index of {what}")
+        if len(index) != 3:
+            raise _Bad(f"index of {what} is not [start, end, checksum]")
+        start = _int(rec.get("data"), f"data start of {what}", 8, size)
+        start = _int(index[0], f"index start of {what}", start, size)
+        _int(index[1], f"index end of {what}", start, size)
+        _hex(index[2], f"index checksum of {what}", 16)
+    if len(has_file) != world:
+        missing = sorted(set(range(world)) - has_file)
+        raise _Bad(f"no file of rank(s) {missing[:8]} of a {world}-rank save")
+    for r in _list(man.get("rank_trees", []), "'rank_trees'"):
+        _int(r, "a rank in 'rank_trees'", 1, world - 1)
+    sizes = []
+    for i, mesh in enumerate(meshes):
+        what = f"mesh {i}"
+        mesh = _dict(mesh, what)
+        shape = _list(mesh.get("shape"), f"shape of {what}")
+        if not shape or len(shape) > MAX_DIMS:
+            raise _Bad(f"{what} has {len(shape)} dimensions")
+        for d in shape:
+            _int(d, f"a dimension of {what}", 1, MAX_WORLD)
+        n = math.prod(shape)
+        if n > world:
+            raise _Bad(f"{what} has {n} ranks, the save had {world}")
+        if "ranks" in mesh:
+            ranks = _list(mesh["ranks"], f"ranks of {what}")
+            if len(ranks) != n or len(set(ranks)) != n:
+                raise _Bad(f"{what} does not list {n} distinct ranks")
+            for r in ranks:
+                _int(r, f"a rank of {what}", 0, world - 1)
+        else:
+            _int(mesh.get("start"), f"first rank of {what}", 0, world - n)
+        sizes.append(len(shape))
+    for key, rec in tensors.items():
+        what = f"tensor {key!r:.200}"
+        rec = _dict(rec, what)
+        if "alias_of" in rec:
+            _check_alias(key, rec, tensors)
+            continue
+        dtype_size(rec.get("dtype"))
+        shape = _list(rec.get("shape"), f"shape of {what}")
+        if len(shape) > MAX_DIMS:
+            raise _Bad(f"{what} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        for d in shape:
+            _int(d, f"a dimension of {what}")
+        scope = rec.get("scope")
+        if scope not in SCOPES:
+            raise _Bad(f"{what} has unknown scope {scope!r:.40}")
+        if "chunks" in rec:
+            raise _Bad(f"{what} lists chunks in a format-3 manifest")
+        ways = [w for w in ("pieces", "sharding", "boxes") if w in rec]
+        if scope == "per_rank":
+            if ways:
+                raise _Bad(f"{what} is per-rank but has {ways[0]}")
+        elif scope == "replicated":
+            if ways != ["pieces"]:
+                raise _Bad(f"{what} is replicated but has no pieces")
+            _check_pieces(what, shape, rec["pieces"], world)
+        elif ways == ["sharding"]:
+            sh = _dict(rec["sharding"], f"sharding of {what}")
+            m = _int(sh.get("mesh"), f"mesh of {what}", 0, len(meshes) - 1)
+            dims = _list(sh.get("dims"), f"dims of {what}")
+            if len(dims) != sizes[m]:
+                raise _Bad(f"{what} has {len(dims)} placements on a {sizes[m]}-d mesh")
+            for d in dims:
+                if not (d == ["R"] or (isinstance(d, list) and len(d) == 2 and d[0] == "S"
+                                       and type(d[1]) is int and 0 <= d[1] < len(shape))):
+                    raise _Bad(f"{what} has an unknown placement {d!r:.40}")
+        elif ways == ["boxes"]:
+            boxes = []
+            for i, b in enumerate(_list(rec["boxes"], f"boxes of {what}")):
+                bwhat = f"box {i} of {what}"
+                b = _list(b, bwhat)
+                if len(b) != 3:
+                    raise _Bad(f"{bwhat} is not [rank, offsets, sizes]")
+                _int(b[0], f"rank of {bwhat}", 0, world - 1)
+                offsets, bsizes = _list(b[1], f"offsets of {bwhat}"), _list(b[2], f"sizes of {bwhat}")
+                if len(offsets) != len(shape) or len(bsizes) != len(shape):
+                    raise _Bad(f"{bwhat} does not have {len(shape)} offsets and sizes")
+                for d, (o, n) in enumerate(zip(offsets, bsizes, strict=True)):
+                    _int(o, f"offset {d} of {bwhat}")
+                    _int(n, f"size {d} of {bwhat}")
+                    if o + n > shape[d]:
+                        raise _Bad(f"{bwhat} reaches {o + n} along dim {d}, past the tensor's {shape[d]}")
+                boxes.append((offsets, bsizes))
+            _check_tiling(what, shape, boxes)
+        else:
+            raise _Bad(f"{what} is sharded but has neither a sharding nor boxes")
+    _check_objects(objects, tensors, world)
+
+
+def _check_pieces(what: str, shape: list[int], pieces: Any, world: int) -> None:
+    """A replicated tensor's pieces ([rank, first row, rows]) cover its rows exactly once."""
+    rows = shape[0] if shape else 1
+    spans = []
+    for i, p in enumerate(_list(pieces, f"pieces of {what}")):
+        p = _list(p, f"piece {i} of {what}")
+        if len(p) != 3:
+            raise _Bad(f"piece {i} of {what} is not [rank, first row, rows]")
+        _int(p[0], f"rank of piece {i} of {what}", 0, world - 1)
+        spans.append((_int(p[1], f"first row of piece {i} of {what}"), _int(p[2], f"rows of piece {i} of {what}")))
+    spans.sort()
+    pos = 0
+    for start, n in spans:
+        if start != pos or (n == 0 and rows != 0):
+            raise _Bad(f"{what}: its pieces do not cover rows {pos}.. exactly once")
+        pos += n
+    if pos != rows or (rows == 0 and len(spans) != 1) or not spans:
+        raise _Bad(f"{what}: its pieces cover {pos} of its {rows} rows")
 
 
 def _check_alias(key: str, rec: dict[str, Any], tensors: dict[str, Any]) -> None:
