@@ -302,7 +302,8 @@ def test_sigkill_mid_write_leaves_previous_loadable_and_nothing_visible(tmp_path
     outs = dist_harness.run(_crash, 2, root, timeout=90, pg_timeout=30)
     assert outs[1].exitcode == -signal.SIGKILL, outs[1]
     assert outs[0].value is not None and not outs[0].value["ok"], outs[0]
-    assert outs[0].value["elapsed"] < 25, outs[0].value
+    # gloo's "Connection closed by peer" from DCP's own gather (0.07 s on the dev VM)
+    assert outs[0].value["type"] == "RuntimeError" and outs[0].value["elapsed"] < 10, outs[0].value
     assert not os.path.exists(os.path.join(root, "next"))
     leftovers = dist_harness.leftovers(root)
     assert all(n.startswith(".next.safeckpt-staging-") for n in leftovers), leftovers
