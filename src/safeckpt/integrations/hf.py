@@ -268,8 +268,9 @@ class SafeckptTrainerMixin(Trainer):
             out = super().train(resume_from_checkpoint=tmp, trial=trial,
                                 ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
             if (self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None
-                    and self._safeckpt_mgr is not None):
+                    and self._safeckpt_mgr is not None and not self.safeckpt_preempted):
                 # Trainer, at the end of training: with save_total_limit=1 only the best remains.
+                # Not after a preemption: the checkpoint just saved is where the run resumes.
                 self._safeckpt_rotation.final = True
                 try:
                     self._safeckpt_mgr.retain()

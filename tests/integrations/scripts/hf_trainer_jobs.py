@@ -68,7 +68,7 @@ def args(out: str, **kw: Any) -> TrainingArguments:
         output_dir=out, max_steps=MAX_STEPS, per_device_train_batch_size=2,
         per_device_eval_batch_size=4, learning_rate=3e-3, lr_scheduler_type="cosine",
         warmup_steps=2, weight_decay=0.01, logging_steps=1, save_strategy="steps",
-        save_steps=4, eval_strategy="steps", eval_steps=4, save_total_limit=1,
+        save_steps=4, eval_strategy="steps", eval_steps=4, save_total_limit=2,
         load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
         report_to="none", use_cpu=True, seed=7, dataloader_num_workers=0,
         disable_tqdm=True, ddp_backend="gloo",
