@@ -226,6 +226,11 @@ class StorageWriter(_dcp.StorageWriter):
         self.save_id = uuid.uuid4().hex
         self._staging: _Staging | None = None  # the coordinator's current, unpublished staging
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The path (DCP's logger reports it, as for its own writers)."""
+        return self.path
+
     # -- setup
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -529,6 +534,10 @@ class StorageReader(_dcp.StorageReader):
         self._manifest: dict[str, Any] | None = None
         self._chunks: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
         self._values: dict[str, Any] = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
