@@ -270,6 +270,12 @@ class SafeckptStrategyMixin:
             candidates = full or candidates
         reasons: list[str] = []
         for i, cand in enumerate(candidates):
+            if fitting and not any(OPTIM_RE.match(e) or e == RNG for e in cand["entries"]):
+                raise IncompatibleCheckpoint(
+                    f"{cand['path']} holds no optimizer state (saved with save_weights_only=True): "
+                    "training cannot resume from it. Start from its weights with "
+                    "load_from_checkpoint(...), or resume from a full checkpoint."
+                )
             try:
                 rest = self._load_one(cand)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
