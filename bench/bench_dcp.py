@@ -8,8 +8,12 @@ Same run, same state, interleaved repetitions (median reported), for world sizes
 - fsdp2: an nn.Sequential of Linear layers sharded with ``fully_shard`` over all ranks.
 
 Saves go to a fresh directory under --dir each time (removed after the load that follows).
-Loads read back what was just written, so they are warm (the page cache holds the files): no
-cache dropping is attempted. Times are the slowest rank's, between two barriers.
+Before each load the checkpoint's files are dropped from the page cache (fsync, then
+POSIX_FADV_DONTNEED), so both loads read from the disk: safeckpt's writer drops what it wrote
+from the page cache by design (a checkpoint does not evict the training job's data) while
+FileSystemWriter's files stay cached, and comparing a cold load with a warm one would say
+nothing. (On a VM the "disk" may itself be cached by the host.) Times are the slowest rank's,
+between two barriers.
 
     python bench/bench_dcp.py --size-mib 512 --worlds 1,2 --reps 3 --dir /tmp/bench-dcp
 """
@@ -57,6 +61,17 @@ def _state(kind: str, size_mib: int, world: int):
     return {"model": msd}, model
 
 
+def _evict(path: str) -> None:
+    """Drop a checkpoint's files from the page cache (after an fsync, so the kernel can)."""
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -80,6 +95,10 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
                     dist.barrier()
                     t0 = time.perf_counter()
                     dcp.save(state, storage_writer=writer)
+                    dist.barrier()
+                    t1 = time.perf_counter()
+                    if rank == 0:
+                        _evict(path)  # both loads read from disk (see the module docstring)
                     dist.barrier()
                     t1 = time.perf_counter()
                     dcp.load(state, storage_reader=reader)
