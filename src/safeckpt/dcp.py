@@ -36,6 +36,7 @@ Everything is local or shared-filesystem paths (no object-store URLs yet).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import io
 import os
@@ -666,15 +667,22 @@ class StorageReader(_dcp.StorageReader):
                             f"{c['start']}-{c['end']} ({ri.storage_index.fqn!r}): the data is corrupt. "
                             "Load an older checkpoint.", path=self.path)
             for ri, c in work:
-                src = files[c["file"]].tensor(c["start"], c["end"], torch_dtype(c["dtype"]), c["sizes"], None)
-                for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
-                    src = src.narrow(dim, off, n)
+                dtype = torch_dtype(c["dtype"])
                 target = planner.resolve_tensor(ri).detach()
-                if tuple(target.shape) != tuple(src.shape):
+                if tuple(target.shape) != tuple(ri.lengths):
                     raise CheckpointError(
-                        f"DCP asked for {tuple(src.shape)} of {ri.storage_index.fqn!r} into a tensor of "
+                        f"DCP asked for {tuple(ri.lengths)} of {ri.storage_index.fqn!r} into a tensor of "
                         f"shape {tuple(target.shape)}")
-                target.copy_(src)
+                if (not any(ri.storage_offsets) and list(ri.lengths) == list(c["sizes"]) and target.is_cpu
+                        and target.dtype == dtype and target.is_contiguous()
+                        and target.nbytes == c["end"] - c["start"] > 0):
+                    # the whole chunk into a plain CPU tensor: read straight into it (no mapping)
+                    files[c["file"]].read_into(c["start"], _bytes_of(target))
+                else:
+                    src = files[c["file"]].tensor(c["start"], c["end"], dtype, c["sizes"], None)
+                    for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
+                        src = src.narrow(dim, off, n)
+                    target.copy_(src)
                 planner.commit_tensor(ri, target)
             for ri in plan.items:
                 if ri.type == LoadItemType.BYTE_IO:
@@ -706,6 +714,11 @@ class StorageReader(_dcp.StorageReader):
         torch.save(value, buf)
         buf.seek(0)
         planner.load_bytes(ri, buf)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable buffer (the caller keeps ``t`` alive)."""
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _no_tensor(key: str) -> torch.Tensor:
