@@ -44,7 +44,7 @@ class Outcome:
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
             args: tuple, queue: Any, pg_timeout: float) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 

@@ -19,6 +19,7 @@ import torch
 
 import safeckpt
 from safeckpt import CheckpointLocked, CheckpointManager, CheckpointNotFound, CorruptCheckpoint
+from safeckpt._reader import open_manifest
 from tests import dist_harness
 
 LOCK = ".safeckpt.lock"
@@ -144,8 +145,7 @@ def flip_byte(path: str, offset: int) -> None:
 def corrupt_rank1_only_chunk(ckpt: str) -> str:
     """Flip a bit inside rank 1's *per-rank* RNG state: a chunk only rank 1 reads on restore,
     so only rank 1 can notice, and every rank must still fall back together."""
-    with open(os.path.join(ckpt, "manifest.json")) as f:
-        man = json.load(f)
+    man = open_manifest(ckpt)  # format 3: chunk places from the files' indexes
     (chunk,) = [c for c in man["tensors"]["rng/torch"]["chunks"] if c.get("rank") == 1]
     assert man["tensors"]["rng/torch"]["scope"] == "per_rank"
     path = os.path.join(ckpt, chunk["file"])

@@ -174,7 +174,7 @@ def test_two_ranks_save_load_manager_retention_async(tmp_path):
 def _die_mid_upload() -> None:
     """Patch this worker so that its next data upload stops half-way with a SIGKILL."""
 
-    def dying(self, path, items, metadata):
+    def dying(self, path, items, metadata, index=None):
         f = self.fs.open(self._path(path), "wb")
         f.write(b"\0" * 4096)
         f.flush()
@@ -347,8 +347,8 @@ def test_failed_save_removes_its_objects_and_keeps_the_old(tmp_path, monkeypatch
     before = _files_under(local)
     real = FsspecStorage.write
 
-    def failing(self, path, items, metadata):
-        real(self, path, items, metadata)
+    def failing(self, path, items, metadata, index=None):
+        real(self, path, items, metadata, index)
         raise OSError("upload failed: simulated")
 
     monkeypatch.setattr(FsspecStorage, "write", failing)

@@ -7,39 +7,38 @@ did not hash that chunk themselves. Ranks that do not share a page cache verify 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import safeckpt
-from safeckpt._verify_split import page_cache_id, split_verification
+from safeckpt._reader import open_manifest
+from safeckpt._verify_split import page_cache_id, shares_complete, split_shared
 from tests import dist_harness
 
 DATA = "rank-00000.safetensors"
 
 
-def test_every_needed_chunk_is_verified_once_per_page_cache_group():
-    sizes = [100, 5, 60, 60, 1, 30]
-    plans = [
-        {"cache": "A", "need": [0, 1, 2, 3, 4, 5]},
-        {"cache": "A", "need": [0, 1, 2, 3, 4, 5]},
-        {"cache": "A", "need": [2, 3]},
-        {"cache": "B", "need": [0, 5]},
-        {"cache": None, "need": [1, 2]},
-        {"cache": None, "need": [1, 2]},
-    ]
-    shares = split_verification(plans, sizes)
-    for group in ([0, 1, 2], [3], [4], [5]):
-        needed = set().union(*(plans[r]["need"] for r in group))
-        got = [i for r in group for i in shares[r]]
-        assert sorted(got) == sorted(needed), group  # each needed chunk exactly once in the group
-        for r in group:
-            assert shares[r] <= set(plans[r]["need"])  # a rank verifies only what it reads
-    assert shares[4] == shares[5] == {1, 2}  # no shared page cache known: each verifies alone
-    loads = [sum(sizes[i] for i in shares[r]) for r in (0, 1, 2)]
+def test_each_shared_chunk_is_verified_by_exactly_one_local_rank():
+    shared = [(("f", i, i + n), n) for i, n in enumerate([100, 5, 60, 60, 1, 30])]
+    splits = [split_shared(shared, r, 3) for r in range(3)]
+    mine = [m for m, _ in splits]
+    assert sorted(c for m in mine for c in m) == sorted(c for c, _ in shared)  # each exactly once
+    for m, others in splits:
+        assert sorted(m + others) == sorted(c for c, _ in shared)
+    loads = [sum(n for c, n in shared if c in m) for m in mine]
     assert max(loads) - min(loads) <= 100, loads  # spread, largest first
-    assert split_verification(plans, sizes) == shares  # deterministic
+    assert [split_shared(shared, r, 3) for r in range(3)] == splits  # the same on every rank
+
+
+def test_a_split_counts_only_when_the_whole_machine_took_part_with_the_same_chunks():
+    def share(cache, local, n, digest="d"):
+        return {"cache": cache, "local": [local, n], "shared": digest}
+
+    assert shares_complete([share("A", 0, 2), share("A", 1, 2), share("B", 0, 1)])
+    assert shares_complete([share("A", 0, 2), share("A", 1, 2), None])  # a rank that shared nothing
+    assert not shares_complete([share("A", 0, 2), share("B", 1, 2)])  # LOCAL_* say one machine, caches two
+    assert not shares_complete([share("A", 0, 2), share("A", 1, 2, "other")])  # different chunk lists
+    assert not shares_complete([share("A", 0, 3), share("A", 1, 3)])  # a local rank missing
 
 
 def test_page_cache_id_names_the_directory(tmp_path):
@@ -95,7 +94,7 @@ def _save(tmp_path) -> str:
 
 
 def _chunks(path: str) -> list[tuple[int, int]]:
-    man = json.loads(open(f"{path}/manifest.json").read())
+    man = open_manifest(path)  # format 3: chunks from the files' indexes
     return sorted((c["start"], c["end"]) for rec in man["tensors"].values() for c in rec["chunks"])
 
 

@@ -109,6 +109,15 @@ def _cached_group(timeout: float, purpose: str) -> _GroupState | None:
     return None
 
 
+class PhaseFailures(Exception):
+    """Raised by a ``decide`` resolver to fail the phase naming ranks' own errors
+    (``{rank: describe_exception(...)}``), as if those ranks had raised them."""
+
+    def __init__(self, failures: dict[int, dict[str, Any]]) -> None:
+        super().__init__(f"{len(failures)} rank(s) failed")
+        self.failures = failures
+
+
 class _PeerExited(Exception):
     """A peer's process was seen gone while this rank waited for it."""
 
@@ -353,6 +362,8 @@ class Coordinator:
                 self._raise_local(phase, local_exc, payload["error"], hint)
             try:
                 return resolve([payload["value"]])
+            except PhaseFailures as exc:
+                raise self._error(phase, exc.failures, hint) from None
             except Exception as exc:  # noqa: BLE001
                 self._raise_local(phase, exc, describe_exception(exc), hint)
         state = self._state
@@ -383,6 +394,8 @@ class Coordinator:
             else:
                 try:
                     decision = {"ok": True, "value": resolve([res["value"] for res in gathered])}
+                except PhaseFailures as exc:  # resolve names the failing ranks itself
+                    decision = {"ok": False, "failures": _capped(exc.failures)}
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
                     local_exc = exc
                     decision = {"ok": False, "failures": {"0": describe_exception(exc)}}

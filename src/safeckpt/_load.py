@@ -1,20 +1,21 @@
-"""One collective load: open -> plan -> read.
+"""One collective load: check -> apply, in at most three collective rounds.
 
-1. open  (coordinator)  read and validate the manifest; every rank gets the same copy, and
-                        ranks check they were called with the same path.
-2. plan  (all ranks)    match the target state against the checkpoint (keys, shapes, dtypes);
-                        on a strict load any mismatch raises IncompatibleCheckpoint on every
-                        rank before anything in memory is touched.
-3. check (all ranks)    each rank reads what it needs: stateful objects' state into fresh
-                        tensors (verified as it is read), and the chunks its in-place targets
-                        need are verified against their checksums (ranks of one machine split
-                        that work, see _verify_split). Any damage raises CorruptCheckpoint on
-                        every rank, and nothing in the caller's state has been touched yet.
-4. apply (all ranks)    stateful objects get load_state_dict; verified chunks are copied into
-                        the existing tensors in place; plain values are replaced.
+1. check (all ranks)    every rank reads and validates the manifest itself (format 3: O(tensors
+                        + files), see _format3), matches the target state against it (keys,
+                        shapes, dtypes; on a strict load a mismatch is IncompatibleCheckpoint),
+                        reads the indexes of just the files it needs, reads stateful objects'
+                        state into fresh tensors (verified as read), and verifies the chunks its
+                        in-place targets need (ranks of one machine split the replicated ones,
+                        see _verify_split). Nothing in the caller's state is touched.
+         (coordinator)  one gather: the same path and manifest on every rank, every check
+                        passed; the decision is broadcast, so any failure raises the same error
+                        on every rank before anything is applied.
+2. apply (all ranks)    stateful objects get load_state_dict; verified chunks are copied into
+                        the existing tensors in place; plain values are replaced. One all-reduce
+                        says whether any rank failed; only then do ranks exchange the errors.
 
-Only a user object's own ``load_state_dict`` raising in step 4 can leave state half-loaded
-(the objects before it are loaded); everything read from disk was checked before step 4.
+Only a user object's own ``load_state_dict`` raising in step 2 can leave state half-loaded
+(the objects before it are loaded); everything read from disk was checked before step 2.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 
 from . import _optim
-from ._dist import Coordinator
-from ._manifest import CheckpointInfo
+from ._dist import Coordinator, PhaseFailures, describe_exception
+from ._format3 import FORMAT_V3, Layout
+from ._manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
 from ._prefault import Prefault
 from ._reader import TensorReader, local_box, open_manifest, read_threads
 from ._save import paused_gc
@@ -48,8 +50,14 @@ from ._tree import (
     unescape_key,
     unwrap_module,
 )
-from ._verify_split import page_cache_id, split_verification
-from .errors import IncompatibleCheckpoint, RankMismatch, SafeckptWarning
+from ._verify_split import (
+    local_position,
+    page_cache_id,
+    shared_digest,
+    shares_complete,
+    split_shared,
+)
+from .errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
 
 
 def load(
@@ -80,29 +88,62 @@ def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict:
     target = resolve(path)
     coord = Coordinator(timeout, what=f"load from {target}")
     store = storage_for(target, storage_options, timeout=coord.timeout)
-
-    def _open() -> dict[str, Any]:
-        return {"path": target, "manifest": open_manifest(target, store) if coord.is_coordinator else None}
-
-    opened = coord.run("open", _open)
-    bad = [f"rank {r} was called with path {o['path']!r}" for r, o in enumerate(opened) if o["path"] != target]
-    if bad or any(o["path"] != opened[0]["path"] for o in opened):
-        raise RankMismatch(
-            f"load: ranks were called with different paths (rank 0: {opened[0]['path']!r}); "
-            + "; ".join(bad)
-        )
-    manifest = opened[0]["manifest"]
-    job = _LoadJob(target, manifest, state, strict, coord.rank, verify_checksums, coord.world_size, store)
     unchanged = "Nothing was loaded; the state is unchanged."
+    jobs: list[_LoadJob] = []
+
+    def check() -> dict[str, Any]:
+        """Every rank reads the manifest itself (ranks agree on its checksum below), plans,
+        reads the indexes of the files it needs and verifies what it will copy."""
+        try:
+            man = open_manifest(target, store, full=False)
+            job = _LoadJob(target, man, state, strict, coord.rank, verify_checksums, coord.world_size, store)
+            jobs.append(job)
+            job.plan()
+            job.check()
+            return {"path": target, "manifest": man.get(CHECKSUM_FIELD), "share": job.share}
+        except Exception as exc:  # noqa: BLE001 - reported with the path: a path mismatch comes first
+            return {"path": target, "error": describe_exception(exc)}
+
     try:
-        plans = coord.run("plan", job.plan, hint=unchanged)
-        job.share_verification(plans)
-        coord.run("check", job.check, hint=unchanged)
-        job.reader.trust(job.verified_by_others)  # every rank's share checked out
-        coord.run("apply", job.apply)
+        decision = coord.decide("check", check, _resolve_check, hint=unchanged)
+        job = jobs[0]
+        if decision["verify_rest"]:  # a machine's ranks could not share the hashing after all
+            coord.decide("check-rest", job.check_rest, lambda _: None, hint=unchanged)
+        else:
+            job.trust_shared()  # every rank's share checked out
+        failed: Exception | None = None
+        try:
+            job.apply()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            failed = exc
+        if coord.any_true(failed is not None, "apply"):  # one tiny all-reduce when all went well
+            coord.run("apply", lambda: _reraise(failed))
     finally:
-        job.reader.close()
-    return CheckpointInfo.from_manifest(target, manifest, skipped=tuple(job.skipped))
+        for job in jobs:
+            job.close()
+    return CheckpointInfo.from_manifest(target, job.man, skipped=tuple(job.skipped))
+
+
+def _resolve_check(values: list[dict[str, Any]]) -> dict[str, Any]:
+    """Coordinator: same path and manifest everywhere, every rank's check passed, and whether
+    the ranks of each machine covered every chunk they share."""
+    ref = values[0]
+    bad = [f"rank {r} was called with path {v['path']!r}" for r, v in enumerate(values) if v["path"] != ref["path"]]
+    if bad:
+        raise RankMismatch(f"load: ranks were called with different paths (rank 0: {ref['path']!r}); "
+                           + "; ".join(bad[:20]))
+    failures = {r: v["error"] for r, v in enumerate(values) if "error" in v}
+    if failures:
+        raise PhaseFailures(failures)
+    if any(v["manifest"] != ref["manifest"] for v in values):
+        raise RankMismatch(f"load: ranks read different manifests at {ref['path']!r} (it was replaced "
+                           "while they read it); nothing was loaded, retry the load")
+    return {"verify_rest": not shares_complete([v["share"] for v in values])}
+
+
+def _reraise(exc: Exception | None) -> None:
+    if exc is not None:
+        raise exc
 
 
 NO_COPY = object()  # this rank has no saved copy of a per-rank entry (it keeps its state)
@@ -123,12 +164,18 @@ class _LoadJob:
     def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
                  strict: bool, rank: int, verify: bool, world_size: int = 1, store: Storage | None = None) -> None:
         self.dir = ckpt_dir
-        self.man = man
+        self.man = man  # as stored: format 3 holds no chunks (see _format3)
         self.state = state
         self.strict = strict
         self.rank = rank
         self.world_size = world_size
-        self.reader = TensorReader(ckpt_dir, man, rank=rank, verify=verify, store=store)
+        self.verify = verify
+        self.store = store or storage_for(ckpt_dir)
+        self.layout = Layout(man, ckpt_dir, self.store, dtype_size) if man.get("format_version") == FORMAT_V3 else None
+        self.objects = man["objects"]
+        if self.layout is not None and rank in set(man.get("rank_trees", ())):
+            self.objects = self.layout.view({self.layout.file_of[rank]})["objects"]  # this rank's own trees
+        self.reader: TensorReader | None = None  # made by plan(), for the files this rank needs
         self.skipped: list[str] = []
         self.targets: dict[str, dict[str, Leaf]] = {}
         self.trees: dict[str, Any] = {}
@@ -136,14 +183,27 @@ class _LoadJob:
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
         self.boxes: dict[str, Any] = {}  # key -> local box of each target copied into in place
-        self.my_share: set[int] | None = None  # chunk indices this rank verifies (None: all)
-        self.verified_by_others: list[int] = []
+        self.share: dict[str, Any] | None = None  # how this rank shares verification (see check)
+        self.shared_skipped: list[tuple[str, int, int]] = []  # chunks another rank of this machine verifies
         self.saved_world = int(man.get("world_size", 1))
         self.per_rank_keys = {k for k, rec in man["tensors"].items() if rec.get("scope") == "per_rank"}
 
+    def record(self, key: str) -> dict[str, Any]:
+        """The manifest record of ``key`` (for an alias, the record of the tensor it shares)."""
+        try:
+            rec = self.man["tensors"][key]
+            return self.man["tensors"][rec["alias_of"]] if "alias_of" in rec else rec
+        except KeyError:
+            raise CorruptCheckpoint(f"manifest tree refers to tensor {key!r} that it does not describe",
+                                    path=self.dir) from None
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
     def _tree_for(self, name: str, value: Any) -> Any:
         """The saved tree to load into ``value``, or NO_COPY when this rank has none."""
-        obj = self.man["objects"][name]
+        obj = self.objects[name]
         saved_world = self.saved_world
         per_rank = bool(getattr(value, PER_RANK_ATTR, False)) or (
             bool(self.per_rank_keys) and any(k in self.per_rank_keys for k in tensor_keys(obj["tree"]))
@@ -170,7 +230,7 @@ class _LoadJob:
 
     def plan(self) -> dict[str, Any] | None:
         problems: list[str] = []
-        saved = self.man["objects"]
+        saved = self.objects
         for name in saved:
             if name not in self.state:
                 problems.append(f"unexpected entry {name!r} (in the checkpoint, not in state)")
@@ -187,7 +247,7 @@ class _LoadJob:
                 if _optim.needs_mapping(value, tree):
                     if self._names is None:
                         self._names = param_names(self.state)
-                    plan, optim_problems = _optim.plan_load(name, value, tree, self._names, self.reader.record)
+                    plan, optim_problems = _optim.plan_load(name, value, tree, self._names, self.record)
                     problems += optim_problems
                     if plan is None:
                         del self.trees[name]  # not loadable: skipped on a non-strict load
@@ -215,7 +275,7 @@ class _LoadJob:
                 keys = sorted(stored & have.keys())
             matched = {}
             for key in keys:
-                rec = self.reader.record(key)
+                rec = self.record(key)
                 leaf = have[key]  # its shape and dtype code, computed once when it was made
                 if leaf.shape != rec["shape"] or leaf.dtype != rec["dtype"]:
                     problems.append(
@@ -235,28 +295,43 @@ class _LoadJob:
                 + "\nPass strict=False to load the entries that fit."
             )
         self.skipped = problems
-        if self.world_size == 1:
-            return None
-        cache = page_cache_id(self.dir) if self.reader.store.renames else None
-        return {"cache": cache, "need": self.reader.needed_ids(list(self.boxes.items()))}
+        self._open_reader()
 
-    def share_verification(self, plans: list[dict[str, Any] | None]) -> None:
-        """Take this rank's share of the chunk verification (see _verify_split), and size the
-        reader's thread pool for the ranks that share this machine."""
-        if self.world_size == 1 or any(p is None for p in plans):
-            return
-        mine = plans[self.rank]["cache"]
-        if mine is not None:
-            self.reader.threads = read_threads(sum(p["cache"] == mine for p in plans))
-        sizes = [end - start for _, start, end in self.reader.chunk_ids()]
-        shares = split_verification(plans, sizes)
-        self.my_share = shares[self.rank]
-        self.verified_by_others = sorted(set(plans[self.rank]["need"]) - self.my_share)
+    def _open_reader(self) -> None:
+        """The reader over the chunks this rank needs: for format 3, only the indexes of the
+        files that hold them are read (an FSDP2 rank at the same world size: its own file)."""
+        view = self.man
+        if self.layout is not None:
+            targets: list[tuple[str, Any]] = list(self.boxes.items())
+            for name, tree in self.trees.items():
+                if self.kinds[name] != "stateful":
+                    continue
+                if name in self.optim_plans:
+                    targets += _optim.plan_targets(self.optim_plans[name], self.record)
+                else:
+                    targets += [(k, None) for k in tensor_keys(tree)]
+            view = self.layout.view(self.layout.files_for(targets, self.rank))
+        self.reader = TensorReader(self.dir, view, rank=self.rank, verify=self.verify, store=self.store)
 
     def check(self) -> None:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place
         targets need; touches nothing in the caller's state (their untouched pages are
-        faulted in meanwhile, contents unchanged: see _prefault)."""
+        faulted in meanwhile, contents unchanged: see _prefault).
+
+        Ranks of one machine reading the same page cache split the hashing of the replicated
+        chunks they all need (see _verify_split): each verifies its share, and trusts the
+        others' once the check phase succeeded on every rank."""
+        reader = self.reader
+        assert reader is not None
+        targets = list(self.boxes.items())
+        shared = self._shared_chunks(targets) if self.world_size > 1 and self.verify else []
+        cache = page_cache_id(self.dir) if shared and reader.store.renames else None
+        local = local_position()
+        mine, self.shared_skipped = (split_shared(shared, *local) if cache is not None and local
+                                     else ([c for c, _ in shared], []))
+        if cache is not None and local:
+            reader.threads = read_threads(local[1])
+        self.share = {"cache": cache, "local": local, "shared": shared_digest(shared)} if cache else None
         prefault = Prefault([leaf.tensor for matched in self.targets.values() for leaf in matched.values()])
         try:
             self.loaded: dict[str, Any] = {}
@@ -264,13 +339,31 @@ class _LoadJob:
                 if self.kinds[name] != "stateful":
                     continue
                 if name in self.optim_plans:
-                    self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], self.reader)
+                    self.loaded[name] = _optim.build_state_dict(self.optim_plans[name], reader)
                 else:
-                    tensors = self.reader.new_many(list(tensor_keys(tree)))
+                    tensors = reader.new_many(list(tensor_keys(tree)))
                     self.loaded[name] = decode(tree, tensors.__getitem__)
-            self.reader.check_many(list(self.boxes.items()), only=self.my_share)
+            reader.check_many(targets, skip=set(self.shared_skipped))
         finally:
             prefault.stop()
+
+    def _shared_chunks(self, targets: list[tuple[str, Any]]) -> list[tuple[tuple[str, int, int], int]]:
+        """(chunk, bytes) of the replicated tensors this rank copies whole: what every rank of
+        a data-parallel job needs alike, so ranks of one machine can split their hashing."""
+        assert self.reader is not None
+        whole = [(k, box) for k, box in targets
+                 if self.record(k).get("scope") == "replicated" and box[1] == self.record(k)["shape"]]
+        return sorted((ident, ident[2] - ident[1]) for ident in self.reader.needed(whole))
+
+    def check_rest(self) -> None:
+        """Verify the shared chunks this rank left to the others (their split did not hold)."""
+        assert self.reader is not None
+        self.reader.check_idents(self.shared_skipped)
+        self.shared_skipped = []
+
+    def trust_shared(self) -> None:
+        assert self.reader is not None
+        self.reader.trust_idents(self.shared_skipped)
 
     def apply(self) -> None:
         """Hand stateful objects their state, then copy verified chunks into place.
@@ -294,6 +387,7 @@ class _LoadJob:
                 ) from exc
         # One fill_many for the in-place targets of every entry (a flat state of 4,000 tensors
         # is 4,000 entries), so small chunks are read in runs, not one by one.
+        assert self.reader is not None
         self.reader.fill_many([(key, leaf.tensor) for name in self.trees if self.kinds[name] != "stateful"
                                for key, leaf in self.targets[name].items()], boxes=self.boxes)
         for name, tree in self.trees.items():

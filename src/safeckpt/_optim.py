@@ -147,6 +147,23 @@ def plan_load(name: str, opt: torch.optim.Optimizer, tree: dict[str, Any], names
     return (None, problems) if problems else (plan, [])
 
 
+def plan_targets(plan: OptimPlan, record: Callable[[str], dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(tensor key, box or None for the whole tensor) of everything :func:`build_state_dict`
+    reads: a DTensor parameter's state only in its local box, the rest whole."""
+    from ._reader import local_box
+
+    out: list[tuple[str, Any]] = []
+    for i, sub in plan.entries:
+        p = plan.params[i]
+        for key in tensor_keys(sub):
+            rec = record(key)
+            out.append((key, local_box(p) if is_dtensor(p) and list(rec["shape"]) == list(p.shape) else None))
+    for group_tree, _ in plan.groups:
+        out += [(k, None) for k in tensor_keys({k: v for k, v in group_tree.items() if k != "params"})]
+    out += [(k, None) for v in plan.extra.values() for k in tensor_keys(v)]
+    return out
+
+
 def build_state_dict(plan: OptimPlan, reader: TensorReader) -> dict[str, Any]:
     """The ``state_dict`` to pass to the target optimizer's ``load_state_dict``."""
 

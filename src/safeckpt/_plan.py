@@ -4,6 +4,11 @@ Replicated tensors (the same on every rank, e.g. under DDP) are written once in 
 tensors are cut into row ranges so that each rank writes about 1/N of the bytes; pieces are
 assigned largest first to the least-loaded rank. The plan depends only on the agreed layout,
 so ranks need not exchange it.
+
+Only as many ranks as the bytes need (``ceil(total / target)``, at least MIN_PIECE each) take
+part: the small replicated state of a sharded job (FSDP2's optimizer ``step`` scalars) lands in
+a few files instead of one per rank, so a rank that loads it opens a few files' indexes, not
+thousands (see ``_format3``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def plan_replicated(specs: Sequence[tuple[str, Sequence[int], int]], world_size:
         else:
             pieces.append(Piece(key, 0, rows, nbytes))
     pieces.sort(key=lambda p: (-p.nbytes, p.key, p.row_start))
-    loads = [(0, r) for r in range(world_size)]
+    writers = max(1, min(world_size, math.ceil(total / target)))
+    loads = [(0, r) for r in range(writers)]
     heapq.heapify(loads)
     out = []
     for p in pieces:

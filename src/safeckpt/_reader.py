@@ -160,7 +160,6 @@ class TensorReader:
         self._made: dict[str, torch.Tensor] = {}  # tied tensors already built by new()
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
         self.threads = read_threads()  # a load sets it once it knows the ranks on this machine
-        self._chunk_ids: list[tuple[str, int, int]] | None = None
         self._by_file: dict[str, list[dict[str, Any]]] | None = None
 
     def _file(self, name: str) -> Any:
@@ -244,45 +243,47 @@ class TensorReader:
                     todo[ident] = (key, c)
         return todo
 
-    def chunk_ids(self) -> list[tuple[str, int, int]]:
-        """Every non-empty chunk of the checkpoint as (file, start, end), in one order every rank
-        computes alike (so ranks can name chunks by index)."""
-        if self._chunk_ids is None:
-            self._chunk_ids = sorted({(c["file"], c["start"], c["end"]) for rec in self.man["tensors"].values()
-                                      for c in rec.get("chunks", ()) if c["end"] > c["start"]})
-        return self._chunk_ids
+    def needed(self, targets: list[tuple[str, Box]]) -> list[tuple[str, int, int]]:
+        """The chunks (file, start, end) :meth:`check_many` would verify for ``targets``."""
+        return list(self._needed(targets)) if self.verify else []
 
-    def needed_ids(self, targets: list[tuple[str, Box]]) -> list[int]:
-        """Indices (into :meth:`chunk_ids`) of the chunks :meth:`check_many` would verify."""
-        if not self.verify:
-            return []
-        index = {ident: i for i, ident in enumerate(self.chunk_ids())}
-        return sorted(index[ident] for ident in self._needed(targets))
-
-    def check_many(self, targets: list[tuple[str, Box]], only: set[int] | None = None) -> None:
+    def check_many(self, targets: list[tuple[str, Box]], skip: set[tuple[str, int, int]] | None = None) -> None:
         """Verify (once, in parallel) the checksum of every chunk that the (key, box) targets
         overlap, reading each such chunk whole. Loads call this for everything they will copy
         in place before copying anything, so a damaged checkpoint fails before the caller's
-        state is touched. ``only``: verify just these chunk indices (the rest are another
-        rank's share, see ``_verify_split``; :meth:`trust` them once every rank's check
-        succeeded)."""
-        todo = self._needed(targets)
-        if only is not None:
-            ids = self.chunk_ids()
-            keep = {ids[i] for i in only}
-            todo = {ident: kc for ident, kc in todo.items() if ident in keep}
+        state is touched. ``skip``: chunks another rank verifies (see ``_verify_split``;
+        :meth:`trust_idents` them once every rank's check succeeded)."""
         if not self.verify:
             return
+        todo = self._needed(targets)
+        if skip:
+            todo = {ident: kc for ident, kc in todo.items() if ident not in skip}
+        self._check(list(todo.values()))
+
+    def check_idents(self, idents: Sequence[tuple[str, int, int]]) -> None:
+        """Verify the chunks ``idents`` (file, start, end) of this reader's view."""
+        if not self.verify or not idents:
+            return
+        want = set(idents)
+        found = {}
+        for key, rec in self.man["tensors"].items():
+            for c in rec.get("chunks", ()):
+                ident = (c["file"], c["start"], c["end"])
+                if ident in want and ident not in found:
+                    found[ident] = (key, c)
+        self._check([kc for ident, kc in found.items() if ident not in self._verified])
+
+    def _check(self, todo: list[tuple[str, dict[str, Any]]]) -> None:
         tasks: list[Any] = []
         small: dict[str, list[tuple[dict[str, Any], str]]] = {}
-        for key, c in todo.values():
+        for key, c in todo:
             if c["end"] - c["start"] <= SMALL_CHUNK and hasattr(self._file(c["file"]), "read_into"):
                 small.setdefault(c["file"], []).append((c, key))
             else:
                 tasks.append(partial(self._verify_chunk, key, c))
         for items in small.values():
             tasks += [partial(self._verify_run, run) for run in _runs(items)]
-        self._parallel(tasks, {c["file"] for _, c in todo.values()})
+        self._parallel(tasks, {c["file"] for _, c in todo})
 
     def _verify_run(self, run: list[tuple[dict[str, Any], str]]) -> None:
         """Verify chunks that lie back to back in one local file, hashed together (one read,
@@ -291,12 +292,10 @@ class TensorReader:
         for (c, key), digest in zip(run, digests, strict=True):
             self._compare(key, c, digest)
 
-    def trust(self, ids: Sequence[int]) -> None:
-        """Count chunks (indices into :meth:`chunk_ids`) as verified: another rank reading the
-        same page cache verified them in a check phase that succeeded on every rank."""
-        if ids:
-            chunk_ids = self.chunk_ids()
-            self._verified.update(chunk_ids[i] for i in ids)
+    def trust_idents(self, idents: Sequence[tuple[str, int, int]]) -> None:
+        """Count chunks (file, start, end) as verified: another rank reading the same page
+        cache verified them in a check phase that succeeded on every rank."""
+        self._verified.update(idents)
 
     def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False,
                   boxes: dict[str, Box] | None = None) -> None:

@@ -161,7 +161,7 @@ class _SaveJob:
         staging = self.staging
         try:
             info = self.coord.decide(
-                "commit", lambda: self._write(staging), lambda written: self._commit(staging, written),
+                "write", lambda: self._write(staging), lambda written: self._commit(staging, written),
                 hint="No checkpoint was published; the previous one (if any) is intact.",
                 done_hint=f"Rank 0 published the checkpoint {self.target} before the failure: "
                 "it is complete and loadable.",

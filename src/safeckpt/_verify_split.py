@@ -32,24 +32,48 @@ def page_cache_id(directory: str) -> str | None:
     return f"{boot}:{st.st_dev}:{st.st_ino}" if boot else None
 
 
-def split_verification(plans: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[set[int]]:
-    """Which chunks each rank verifies. ``plans[r]``: rank r's ``{"cache": page_cache_id or
-    None, "need": [chunk indices]}``; ``sizes[i]``: bytes of chunk i. Every chunk a rank needs
-    is verified by one rank of its page-cache group that also needs it; the result is the same
-    on every rank (it depends only on the gathered plans)."""
-    assigned: list[set[int]] = [set() for _ in plans]
-    groups: dict[Any, list[int]] = {}
-    for rank, plan in enumerate(plans):
-        key = plan["cache"] if plan["cache"] is not None else ("alone", rank)
-        groups.setdefault(key, []).append(rank)
-    for ranks in groups.values():
-        needers: dict[int, list[int]] = {}
-        for rank in ranks:
-            for i in plans[rank]["need"]:
-                needers.setdefault(i, []).append(rank)
-        load = dict.fromkeys(ranks, 0)
-        for i in sorted(needers, key=lambda i: (-sizes[i], i)):
-            rank = min(needers[i], key=lambda r: (load[r], r))
-            assigned[rank].add(i)
-            load[rank] += sizes[i]
-    return assigned
+def local_position() -> tuple[int, int] | None:
+    """(local rank, ranks on this machine) as torchrun sets them (LOCAL_RANK,
+    LOCAL_WORLD_SIZE), or None when not known."""
+    try:
+        local, size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (local, size) if 0 <= local < size else None
+
+
+def split_shared(shared: Sequence[tuple[Any, int]], local_rank: int, local_world: int) -> tuple[list[Any], list[Any]]:
+    """(mine, the others') of the ``shared`` (chunk, bytes) every rank of the machine needs:
+    largest first to the least-loaded local rank. Every rank computes the same split from the
+    same list without exchanging anything; the coordinator checks afterwards that the list
+    and the machine's ranks were what each rank assumed (:func:`shares_complete`)."""
+    load = [0] * local_world
+    mine, others = [], []
+    for chunk, size in sorted(shared, key=lambda cs: (-cs[1], cs[0])):
+        r = min(range(local_world), key=lambda i: (load[i], i))
+        load[r] += size
+        (mine if r == local_rank else others).append(chunk)
+    return mine, others
+
+
+def shared_digest(shared: Sequence[tuple[Any, int]]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(sorted(shared)).encode()).hexdigest()[:32]
+
+
+def shares_complete(shares: Sequence[dict[str, Any] | None]) -> bool:
+    """Coordinator: whether every machine's split covered its shared chunks: each group of
+    ranks that reported one page cache is local ranks 0..L-1 of L, all with the same list.
+    False: the ranks that left chunks to others verify them themselves (one more round)."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for share in shares:
+        if share is not None and share.get("local"):
+            groups.setdefault(share["cache"], []).append(share)
+    for group in groups.values():
+        size = group[0]["local"][1]
+        if (len(group) != size or sorted(s["local"][0] for s in group) != list(range(size))
+                or any(s["local"][1] != size or s["shared"] != group[0]["shared"] for s in group)):
+            return False
+    return True

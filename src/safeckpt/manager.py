@@ -130,18 +130,21 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         coord = self._coord(what=f"restore from {self.root}")
-        asked = coord.run("pick", lambda: {"root": self.root, "step": step,
-                                           "pick": self._pick(step, coord.is_coordinator)})
-        for field, what in (("root", "roots"), ("step", "steps")):
-            if any(a[field] != asked[0][field] for a in asked):
-                # Rank 0 picks for everyone: a rank with another root would load rank 0's choice.
-                raise RankMismatch(
-                    f"restore: ranks asked for different {what}, nothing was loaded: "
-                    + ", ".join(f"rank {r}: {a[field]!r}" for r, a in enumerate(asked))
-                    + ". Every rank must create its CheckpointManager with the same root and call "
-                    "restore with the same step."
-                )
-        picked = asked[0]["pick"]
+        def pick(asked: list[dict[str, Any]]) -> dict[str, Any] | None:
+            """Coordinator: one root and step everywhere, then the candidates, newest first."""
+            for field, what in (("root", "roots"), ("step", "steps")):
+                bad = [r for r, a in enumerate(asked) if a[field] != asked[0][field]]
+                if bad:
+                    # Rank 0 picks for everyone: a rank with another root would load rank 0's choice.
+                    raise RankMismatch(
+                        f"restore: ranks asked for different {what}, nothing was loaded: rank 0: "
+                        f"{asked[0][field]!r}, " + ", ".join(f"rank {r}: {asked[r][field]!r}" for r in bad[:20])
+                        + ". Every rank must create its CheckpointManager with the same root and call "
+                        "restore with the same step."
+                    )
+            return self._pick(step, True)
+
+        picked = coord.decide("pick", lambda: {"root": self.root, "step": step}, pick)
         for note in picked["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=2)
         # Damaged history counts: if nothing loads, raise rather than report a fresh run.
@@ -152,15 +155,14 @@ class CheckpointManager:
         for cand_step, path in picked["candidates"]:
             try:
                 if deep:
-                    problems = coord.run("deep-verify", lambda p=path: verify_on(
-                        self._store, p, deep=True).problems if coord.is_coordinator else None)[0]
+                    problems = coord.decide("deep-verify", lambda: None, lambda _, p=path: verify_on(
+                        self._store, p, deep=True).problems)
                     if problems:
                         raise CorruptCheckpoint(f"{path}: " + "; ".join(problems[:5]), path=path)
                 target = None
                 if live_frozen:
-                    target = _frozen.for_load(state, coord.run("layout", lambda p=path: (
-                        _frozen.saved_has_fingerprints(p, self._store) if coord.is_coordinator
-                        else None))[0])
+                    target = _frozen.for_load(state, coord.decide("layout", lambda: None, lambda _, p=path: (
+                        _frozen.saved_has_fingerprints(p, self._store))))
                 load(path, state if target is None else target, strict=strict, timeout=self.timeout,
                      storage_options=self._options)
                 if target is not None:
@@ -223,9 +225,13 @@ class CheckpointManager:
         self.wait()  # one save in flight; raises the previous background save's error
         path = join(self.root, step_dirname(step))
         coord = self._coord(what=f"save of step {step} to {path}")
-        coord.run("begin", lambda: self._begin(coord.is_coordinator), hint="Nothing was written.")
         state = _frozen.for_save(state, self.frozen)
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
+        # Folded into the save's own two exchanges (the coordinator runs them): the lease and the
+        # sweep before staging, retention after publishing.
+        job.before_stage = lambda: self._begin(True)
+        job.after_commit = lambda saved: self._retain(True, saved)
+        job.after_commit_hint = f"The checkpoint {path} is committed; only retention failed."
         if self._saver is None:
             with paused_gc():  # the caller waits for all of it (see _SaveJob.run)
                 job.agree()
@@ -246,10 +252,7 @@ class CheckpointManager:
         sweep(self.root, self._store)
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
-        info = job.finish()
-        coord.run("retain", lambda: self._retain(coord.is_coordinator, info.step),
-                  hint=f"The checkpoint {info.path} is committed; only retention failed.")
-        return info
+        return job.finish()  # retention ran on the coordinator right after publishing
 
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:
@@ -270,7 +273,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         coord = self._coord(what=f"retention under {self.root}")
-        return coord.run("retain", lambda: self._retain(coord.is_coordinator))[0]
+        return coord.decide("retain", lambda: None, lambda _: self._retain(True))
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the pending background save is committed; raise its error if it failed."""
