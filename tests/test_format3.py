@@ -300,3 +300,23 @@ def test_uneven_fsdp2_shards_saved_at_3_ranks_load_at_2(tmp_path):
     man = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert {json.dumps(r.get("sharding")) for r in man["tensors"].values()} == {json.dumps({"mesh": 0, "dims": [["S", 0]]})}
     assert os.path.exists(tmp_path / "ck" / "rank-00002.safetensors")
+
+
+def test_extra_files_are_committed_with_the_checkpoint_and_verified(tmp_path):
+    from safeckpt._dist import Coordinator
+    from safeckpt._save import new_job
+
+    path = str(tmp_path / "ck")
+    job = new_job(Coordinator(), path, {"model": _model()}, {}, False, 3, {}, "off")
+    job.extra_files = {"trainer_state.json": b'{"global_step": 3}'}
+    job.run()
+    assert (tmp_path / "ck" / "trainer_state.json").read_bytes() == b'{"global_step": 3}'
+    assert safeckpt.verify(path).ok
+    (tmp_path / "ck" / "trainer_state.json").write_bytes(b'{"global_step": 4}')
+    report = safeckpt.verify(path)
+    assert not report.ok and "trainer_state.json" in report.problems[0]
+    job = new_job(Coordinator(), str(tmp_path / "bad"), {"model": _model()}, {}, False, 3, {}, "off")
+    job.extra_files = {"manifest.json": b"{}"}
+    with pytest.raises(safeckpt.CheckpointError, match="not allowed"):
+        job.run()
+    assert not (tmp_path / "bad").exists()

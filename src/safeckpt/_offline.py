@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from ._manifest import safe_file_path
 from ._reader import TensorReader, open_data_file, open_manifest
@@ -80,6 +81,17 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
                 problems.append(f"{name}: {exc}")
                 continue
             if digest != rec.get("xxh3_128"):
+                problems.append(f"{name}: checksum mismatch (corrupt data)")
+    for name, rec in sorted(man.get("extra", {}).items()):  # a framework's own files (format 3)
+        path = safe_file_path(ckpt, name)
+        size = store.size(path)
+        if size is None:
+            problems.append(f"missing file {name}")
+        elif size != rec["size"]:
+            problems.append(f"{name}: {size} bytes, the manifest says {rec['size']}")
+        elif deep:
+            data = store.read(path, size + 1)
+            if data is None or xxhash.xxh3_128_hexdigest(data) != rec["xxh3_128"]:
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
 

@@ -124,6 +124,11 @@ class _SaveJob:
         self.before_stage: Callable[[], None] | None = None
         self.after_commit: Callable[[int | None], None] | None = None
         self.after_commit_hint = ""
+        # Small files the coordinator adds to the checkpoint (a framework's own JSON, such as
+        # Trainer's trainer_state.json): inside the commit where the storage renames a staging
+        # directory, right after the manifest on object stores. Listed in the manifest's
+        # "extra" with size and checksum (verify checks them).
+        self.extra_files: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -475,9 +480,18 @@ class _SaveJob:
         assert staging is not None and self.plan is not None
         files = _commit.check_written(self.store, staging, written)
         head = self._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
+        if self.extra_files:
+            head["extra"] = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+                             for name, data in sorted(self.extra_files.items())}
+            if self.store.renames:
+                for name, data in self.extra_files.items():
+                    self.store.put(self.store.join(staging["path"], safe_extra_name(name)), data)
         objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
         raw = encode_manifest_text(head, objects, self.plan.tensors_json)
         _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files)
+        if self.extra_files and not self.store.renames:
+            for name, data in self.extra_files.items():
+                self.store.put(self.store.join(self.target, safe_extra_name(name)), data)
         remember_published(self.store, self.target, head)
         info = self._committed_info(head, files)
         if self.after_commit is not None:
@@ -525,6 +539,19 @@ class _Plan(NamedTuple):
     index: IndexBuilder  # this rank's file index, chunk text cached per file layout
     tensors_json: str  # the manifest's "tensors" object (the same on every rank)
     meshes: list[Any]  # the manifest's "meshes"
+
+
+def safe_extra_name(name: str) -> str:
+    """An extra file's name, refused unless it is a plain file name that is not one of ours."""
+    from ._manifest import MANIFEST, is_staging_name
+
+    if (not isinstance(name, str) or not _EXTRA_NAME.match(name) or name == MANIFEST
+            or name.startswith("rank-") or is_staging_name(name)):
+        raise CheckpointError(f"extra file name {name!r} is not allowed (a plain name, not manifest.json or rank-*)")
+    return name
+
+
+_EXTRA_NAME = __import__("re").compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 def _single_ref(tree: Any) -> bool:

@@ -192,6 +192,13 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     if len(has_file) != world:
         missing = sorted(set(range(world)) - has_file)
         raise _Bad(f"no file of rank(s) {missing[:8]} of a {world}-rank save")
+    for name, rec in _dict(man.get("extra", {}), "'extra'").items():
+        file_ok(name)
+        if name in files:
+            raise _Bad(f"extra file {name!r} is also a data file")
+        rec = _dict(rec, f"extra file {name!r}")
+        _int(rec.get("size"), f"size of extra file {name!r}")
+        _hex(rec.get("xxh3_128"), f"checksum of extra file {name!r}", 32)
     for r in _list(man.get("rank_trees", []), "'rank_trees'"):
         _int(r, "a rank in 'rank_trees'", 1, world - 1)
     sizes = []
