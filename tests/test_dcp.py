@@ -107,9 +107,30 @@ def _save_4(rank, world, root):
         raw = {"type": type(exc).__name__, "msg": str(exc),
                "inner": [type(f[0]).__name__ for f in exc.failures.values()]}
     dist.barrier()
+
+    # A CheckpointManager root of DCP checkpoints: steps 10, 20, 30, keep_last=2 (retention
+    # runs on the coordinator right after each commit), then ranks asking for different steps.
+    mgr = safeckpt.CheckpointManager(os.path.join(root, "mgr"), keep_last=2)
+    steps, kept = {}, {}
+    for step in (10, 20, 30):
+        _train(model, opt, 1)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "trainer": {"epoch": step, "betas": (0.9, 0.99), "name": "m"}},
+                 storage_writer=safeckpt.dcp.manager_writer(mgr, step))
+        steps[step] = _lists(msd)
+        kept[step] = [i.step for i in mgr.list()]
+    other_step = dist_harness.attempt(lambda: _translated_managed_save(
+        {"model": msd}, mgr, 40 + rank))
+    mgr.close()
     _teardown(model, opt)
     return {"full": full if rank == 0 else None, "exp_avg": exp_avg if rank == 0 else None,
-            "report5": report5, "raw": raw}
+            "report5": report5, "raw": raw, "steps": steps if rank == 0 else None, "kept": kept,
+            "other_step": other_step}
+
+
+def _translated_managed_save(state, mgr, step):
+    with safeckpt.dcp.translate_errors():
+        dcp.save(state, storage_writer=safeckpt.dcp.manager_writer(mgr, step))
 
 
 def _translated_save(state, path):
@@ -118,7 +139,7 @@ def _translated_save(state, path):
 
 
 # ----------------------------------------------------------------------------- 2 ranks: load
-def _load_2(rank, world, root):
+def _load_2(rank, world, root, damaged):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = _fsdp(1, world)  # other init: everything must come from the checkpoint
@@ -147,7 +168,46 @@ def _load_2(rank, world, root):
         out["load_mismatch"] = "no error"
     except safeckpt.RankMismatch as exc:
         out["load_mismatch"] = str(exc)
-    _teardown(model, opt)
+
+    # safeckpt.load of the DCP-written checkpoint straight into FSDP2 modules (no get_state_dict)
+    model2 = _fsdp(2, world)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    _train(model2, opt2, 1)
+    trainer = {"epoch": 0, "betas": None, "name": ""}
+    safeckpt.load(os.path.join(root, "ckpt"), {"model": model2, "optim": opt2, "trainer": trainer})
+    msd3, osd3 = get_state_dict(model2, opt2)
+    out["sk_full"] = _lists(msd3)
+    out["sk_exp_avg"] = _lists({k: v["exp_avg"] for k, v in osd3["state"].items()})
+    out["sk_lr"] = osd3["param_groups"][0]["lr"]
+    out["sk_trainer"] = trainer
+
+    # CheckpointManager over a root of DCP checkpoints whose newest (step 30) has a damaged
+    # data byte: restore falls back to step 20; preemption on rank 1 only is seen by both; the
+    # preemption save through manager_writer keeps the restored step (retention's protect).
+    import warnings
+
+    mgr = safeckpt.CheckpointManager(damaged, keep_last=2)
+    model3 = _fsdp(3, world)
+    opt3 = torch.optim.AdamW(model3.parameters(), lr=0.5)
+    _train(model3, opt3, 1)
+    trainer3 = {"epoch": 0, "betas": None, "name": ""}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["restored"] = mgr.restore({"model": model3, "optim": opt3, "trainer": trainer3})
+    out["restore_warnings"] = [str(w.message) for w in caught if "corrupt" in str(w.message)]
+    out["restored_full"] = _lists(get_state_dict(model3, opt3)[0])
+    out["restored_trainer"] = trainer3
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # the manager's watcher only sets a flag
+        time.sleep(0.2)
+    out["preempted"] = mgr.preempted
+    if out["preempted"]:
+        msd4, osd4 = get_state_dict(model3, opt3)
+        dcp.save({"model": msd4, "optim": osd4, "trainer": trainer3},
+                 storage_writer=safeckpt.dcp.manager_writer(mgr, 40))
+    out["listed"] = [i.step for i in mgr.list()]
+    mgr.close()
+    _teardown(model, opt, model2, opt2, model3, opt3)
     return out
 
 
@@ -163,7 +223,7 @@ def saved4(tmp_path_factory):
 def test_fsdp2_save_at_4_is_a_safeckpt_checkpoint(saved4):
     root, outs = saved4
     ckpt = os.path.join(root, "ckpt")
-    assert sorted(os.listdir(root)) == ["async", "ckpt"]  # report 5's paths: nothing at all
+    assert sorted(os.listdir(root)) == ["async", "ckpt", "mgr"]  # report 5's paths: nothing at all
     assert sorted(os.listdir(ckpt)) == ["dcp_metadata.json", "manifest.json"] + [
         f"rank-0000{r}.safetensors" for r in range(4)]
     report = safeckpt.verify(ckpt)
@@ -177,6 +237,7 @@ def test_fsdp2_save_at_4_is_a_safeckpt_checkpoint(saved4):
     full = outs[0]["full"]
     for k, v in full.items():
         assert torch.equal(flat[f"model/{k}"], _t(v)), k
+    assert safeckpt.read_state_dict(ckpt, nested=True)["model"].keys() == full.keys()
     for k, v in outs[0]["exp_avg"].items():
         assert torch.equal(flat[f"optim/state/{k}/exp_avg"], _t(v)), k
     assert flat["trainer/epoch"] == 3 and flat["trainer/betas"] == (0.9, 0.99)
@@ -204,11 +265,73 @@ def test_field_report_5_per_rank_paths_raise_rank_mismatch_everywhere(saved4):
     assert not [n for n in os.listdir(root) if "report5" in n]  # nothing written, no staging
 
 
-def test_load_at_2_ranks_and_async_checkpoint(saved4):
+def _flip_data_byte(ckpt: str) -> None:
+    """Flip one byte inside the first tensor chunk of the checkpoint's first data file."""
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    rec = man["tensors"]["model/0.weight"]["chunks"][0]
+    with open(os.path.join(ckpt, rec["file"]), "r+b") as f:
+        f.seek(rec["start"] + 1)
+        b = f.read(1)
+        f.seek(rec["start"] + 1)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_manager_root_of_dcp_checkpoints_retention_and_step_agreement(saved4):
+    root, outs = saved4
+    mgr_root = os.path.join(root, "mgr")
+    for o in outs:
+        assert o["kept"] == {10: [10], 20: [10, 20], 30: [20, 30]}, o["kept"]
+        bad = o["other_step"]  # ranks passing steps 40..43: RankMismatch everywhere, nothing written
+        assert not bad["ok"] and bad["type"] == "RankMismatch", bad
+        assert "step-0000000040" in bad["msg"] and "step-0000000043" in bad["msg"], bad["msg"]
+    assert sorted(n for n in os.listdir(mgr_root) if not n.startswith(".safeckpt.lock")) == [
+        "step-0000000020", "step-0000000030"]
+    for step in (20, 30):
+        ckpt = os.path.join(mgr_root, f"step-{step:010d}")
+        assert os.path.isfile(os.path.join(ckpt, "dcp_metadata.json"))
+        assert json.load(open(os.path.join(ckpt, "manifest.json")))["step"] == step
+        assert safeckpt.verify(ckpt).ok
+    # one process: restore the newest into a plain model and optimizer
+    model = _model(9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    trainer = {"epoch": 0, "betas": None, "name": ""}
+    with safeckpt.CheckpointManager(mgr_root) as mgr:
+        assert mgr.restore({"model": model, "optim": opt, "trainer": trainer}) == 30
+    for k, v in outs[0]["steps"][30].items():
+        assert torch.equal(model.state_dict()[k], _t(v)), k
+    assert trainer == {"epoch": 30, "betas": (0.9, 0.99), "name": "m"}
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.01
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_load_at_2_ranks_and_async_checkpoint(saved4, tmp_path):
+    import shutil
+
     root, outs4 = saved4
-    outs = dist_harness.run(_load_2, 2, root, timeout=120)
+    damaged = str(tmp_path / "mgr")
+    shutil.copytree(os.path.join(root, "mgr"), damaged,
+                    ignore=shutil.ignore_patterns(".safeckpt.lock*"))
+    _flip_data_byte(os.path.join(damaged, "step-0000000030"))
+    outs = dist_harness.run(_load_2, 2, root, damaged, timeout=150)
     for o in outs:
         assert o.ok, (o.rank, o.error_type, o.message)
+    for o in outs:
+        v = o.value
+        assert v["sk_full"] == outs4[0]["full"]
+        assert v["sk_exp_avg"] == outs4[0]["exp_avg"]
+        assert v["sk_lr"] == 0.01
+        assert v["sk_trainer"] == {"epoch": 3, "betas": (0.9, 0.99), "name": "run-1"}
+        assert v["restored"] == 20
+        assert v["restore_warnings"] and "step 30" in v["restore_warnings"][0], v["restore_warnings"]
+        assert v["restored_full"] == outs4[0]["steps"][20]
+        assert v["restored_trainer"] == {"epoch": 20, "betas": (0.9, 0.99), "name": "m"}
+        assert v["preempted"] is True
+        assert v["listed"] == [20, 30, 40]  # keep_last=2, but the restored step is protected
+    step40 = os.path.join(damaged, "step-0000000040")
+    assert safeckpt.verify(step40).ok and os.path.isfile(os.path.join(step40, "dcp_metadata.json"))
+    flat = safeckpt.read_state_dict(step40)
+    for k, t in outs4[0]["steps"][20].items():
+        assert torch.equal(flat[f"model/{k}"], _t(t)), k
     for o in outs:
         v = o.value
         assert v["full"] == outs4[0]["full"]
@@ -264,6 +387,12 @@ def test_cli_reads_a_dcp_checkpoint(saved4, tmp_path, capsys):
     loaded = load_file(str(out))
     for k, t in saved4[1][0]["full"].items():
         assert torch.equal(loaded[k], _t(t)), k
+    hf = tmp_path / "hf"
+    assert cli.main(["convert", ckpt, str(hf), "--to", "hf"]) == 0
+    exported = load_file(str(hf / "model.safetensors"))
+    assert exported.keys() == saved4[1][0]["full"].keys()
+    for k, t in saved4[1][0]["full"].items():
+        assert torch.equal(exported[k], _t(t)), k
 
 
 # ----------------------------------------------------------------------------- crash

@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import __version__, _commit
-from ._catalog import parse_step
+from ._catalog import parse_step, step_dirname
 from ._dcp_format import (
     DCP_FILE,
     MANIFEST_KEY,
@@ -93,7 +93,7 @@ from ._manifest import (
 )
 from ._reader import open_manifest
 from ._shardfile import MappedFile, write_file
-from ._storage import is_remote, resolve
+from ._storage import is_remote, join, resolve
 from ._storage_posix import PosixStorage, fsync_dir, remove_tree
 from ._tree import decode
 from .errors import (
@@ -105,7 +105,7 @@ from .errors import (
     RankMismatch,
 )
 
-__all__ = ["StorageReader", "StorageWriter", "translate_errors"]
+__all__ = ["StorageReader", "StorageWriter", "manager_writer", "translate_errors"]
 
 # The manifest format written here: 2, which every safeckpt release reads (the core save may
 # move to a newer format; this module keeps writing the one all readers accept).
@@ -311,6 +311,64 @@ class StorageWriter(_dcp.StorageWriter):
             self._drop_staging()
             raise
         self._staging = None
+
+
+class _ManagedWriter(StorageWriter):
+    """A :class:`StorageWriter` saving one step under a :class:`~safeckpt.CheckpointManager`
+    root (see :func:`manager_writer`)."""
+
+    def __init__(self, mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = None) -> None:
+        super().__init__(join(mgr.root, step_dirname(step)), metadata=metadata, step=step)
+        self._mgr = mgr
+
+    def __getstate__(self) -> Any:
+        raise CheckpointError(
+            "safeckpt.dcp.manager_writer cannot cross into another process (dcp.async_save in "
+            "process mode): use thread mode, or StorageWriter(root/step-NNNNNNNNNN) and "
+            "mgr.retain() after the save's future completes")
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and resolve(checkpoint_id) != self.path:
+            raise CheckpointError(
+                f"safeckpt.dcp.manager_writer saves step {self.step} to {self.path}; dcp.save was "
+                f"given checkpoint_id={os.fspath(checkpoint_id)!r} as well: leave it out")
+        super().reset(None)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _check_same_path([p.storage_data for p in plans], "dcp.save")  # same step everywhere first
+        self._mgr._begin(True)  # the manager's writer lease, and leftovers of crashed saves swept
+        return super().prepare_global_plan(plans)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        try:
+            self._mgr._retain(True, self.step)
+        except Exception as exc:
+            raise CheckpointError(
+                f"the checkpoint {self.path} is committed; only retention failed: "
+                f"{type(exc).__name__}: {exc}") from exc
+
+
+def manager_writer(mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = None) -> StorageWriter:
+    """A DCP storage writer that saves ``step`` under ``mgr``'s root as ``mgr.save`` would::
+
+        dcp.save(state, storage_writer=safeckpt.dcp.manager_writer(mgr, step))
+
+    Every rank passes its manager (same root) and the same step (else RankMismatch on every
+    rank). The coordinator takes the manager's writer lease and sweeps leftovers of crashed
+    saves before staging, and applies the manager's retention right after the commit (never
+    the step just saved nor the restored one). ``mgr.restore(state)`` resumes from the newest
+    checkpoint that loads, DCP-written or not; ``mgr.preempted`` works as with ``mgr.save``.
+    With ``dcp.async_save``: thread mode only (the manager cannot cross into DCP's process),
+    and wait for the previous save's future before the next one.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    mgr._check_open()
+    if is_remote(mgr.root):
+        _local_path(mgr.root, "safeckpt.dcp.manager_writer")
+    mgr.wait()  # the manager's own background save, if any, commits (or raises) first
+    return _ManagedWriter(mgr, step, metadata=metadata)
 
 
 def _begin(target: str, overwrite: bool) -> dict[str, str]:
