@@ -2,7 +2,8 @@
 
 Read-only and lock-free: any process may scan a root at any time, on any storage (only the
 :class:`~safeckpt._storage.Storage` interface is used). A directory (prefix) counts as a
-committed checkpoint only if its name is a step name and it holds a valid manifest. Leftovers
+committed checkpoint only if its name is a checkpoint name (``step-N``, or a framework's
+``checkpoint-N`` / ``checkpoint_N``, see :class:`DirName`) and it holds a valid manifest. Leftovers
 of interrupted saves are recognised by name: hidden staging and trash directories (POSIX), data
 objects with a save token that no manifest names, and unfinished uploads of such objects
 (object stores). Anything else is *foreign* and is never touched by retention or gc.
@@ -26,18 +27,91 @@ from ._storage import Storage, StorageError, Upload, storage_for
 from .errors import CheckpointError, CheckpointNotFound, SafeckptWarning
 
 STEP_PREFIX = "step-"
-_STEP_RE = re.compile(r"^step-(\d{10,})$")
 _LEFTOVER_RE = re.compile(r"^\.(.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(TRASH_MARK) + r")[0-9a-f]+$")
+_FIELD_RE = re.compile(r"\{step(?::0?(\d+)d)?\}")
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def step_dirname(step: int) -> str:
-    """Zero-padded so names sort like numbers: ``step-0000001200``."""
-    return f"{STEP_PREFIX}{step:010d}"
+class DirName:
+    """A checkpoint directory name pattern holding the step: ``"step-{step:010d}"`` (safeckpt's
+    default), ``"checkpoint-{step}"`` (Hugging Face Trainer), ``"checkpoint_{step}"``
+    (Accelerate). One ``{step}`` or ``{step:0Nd}`` field; the rest is literal (letters, digits,
+    ``.``, ``_``, ``-``). A name matches only in its canonical form (``checkpoint-07`` is not
+    step 7 of ``checkpoint-{step}``), so formatting and parsing are inverse."""
+
+    __slots__ = ("pattern", "_prefix", "_suffix", "_width", "_re")
+
+    def __init__(self, pattern: str) -> None:
+        if not isinstance(pattern, str):
+            raise TypeError(f"dirname must be a str pattern such as 'checkpoint-{{step}}', got {pattern!r}")
+        fields = list(_FIELD_RE.finditer(pattern))
+        if len(fields) != 1 or pattern.count("{") != 1 or pattern.count("}") != 1:
+            raise ValueError(f"dirname {pattern!r} must hold exactly one {{step}} (or {{step:0Nd}}) field, "
+                             "e.g. 'checkpoint-{step}'")
+        m = fields[0]
+        prefix, suffix = pattern[: m.start()], pattern[m.end():]
+        probe = prefix + "0" + suffix
+        if not _NAME_CHARS.match(probe) or not prefix or prefix[0] == ".":
+            raise ValueError(f"dirname {pattern!r}: names must start with a letter or digit and hold only "
+                             "letters, digits, '.', '_' and '-' around the step field")
+        self.pattern = pattern
+        self._prefix, self._suffix = prefix, suffix
+        self._width = int(m.group(1) or 0)
+        digits = rf"\d{{{self._width},}}" if self._width else r"\d+"
+        self._re = re.compile("^" + re.escape(prefix) + "(" + digits + ")" + re.escape(suffix) + "$")
+
+    def format(self, step: int) -> str:
+        return f"{self._prefix}{step:0{self._width}d}{self._suffix}" if self._width else \
+            f"{self._prefix}{step}{self._suffix}"
+
+    def parse(self, name: str) -> int | None:
+        m = self._re.match(name)
+        if not m:
+            return None
+        step = int(m.group(1))
+        return step if self.format(step) == name else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DirName) and other.pattern == self.pattern
+
+    def __hash__(self) -> int:
+        return hash(self.pattern)
+
+    def __repr__(self) -> str:
+        return f"DirName({self.pattern!r})"
 
 
-def parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+DEFAULT_DIRNAME = DirName("step-{step:010d}")
+# Names every scan recognises as checkpoint directories (when they hold a manifest): ours, and
+# the frameworks' own (the Trainer and Accelerate integrations commit under them). A directory
+# with a framework name and no manifest (a stock Trainer checkpoint) is foreign, never touched.
+KNOWN_DIRNAMES = (DEFAULT_DIRNAME, DirName("checkpoint-{step}"), DirName("checkpoint_{step}"))
+
+
+def dirname_of(pattern: str | DirName | None) -> DirName:
+    if pattern is None:
+        return DEFAULT_DIRNAME
+    return pattern if isinstance(pattern, DirName) else DirName(pattern)
+
+
+def step_dirname(step: int, dirname: str | DirName | None = None) -> str:
+    """The directory of ``step``; by default zero-padded so names sort like numbers:
+    ``step-0000001200``."""
+    return dirname_of(dirname).format(step)
+
+
+def parse_step(name: str, dirnames: tuple[DirName, ...] = ()) -> int | None:
+    """The step in a checkpoint directory name of any known pattern (or of ``dirnames``)."""
+    return _match(name, dirnames)[0]
+
+
+def _match(name: str, dirnames: tuple[DirName, ...] = ()) -> tuple[int | None, bool]:
+    """(step, whether the name is safeckpt's default pattern) or (None, False)."""
+    for d in (*KNOWN_DIRNAMES, *dirnames):
+        step = d.parse(name)
+        if step is not None:
+            return step, d == DEFAULT_DIRNAME
+    return None, False
 
 
 @dataclass(frozen=True)
@@ -58,20 +132,23 @@ class _Stale(Exception):
     """The listing changed while we looked at it."""
 
 
-def scan(root: str, attempts: int = 10, store: Storage | None = None, *, leftovers: bool = True) -> list[Entry]:
+def scan(root: str, attempts: int = 10, store: Storage | None = None, *, leftovers: bool = True,
+         dirnames: tuple[DirName, ...] = ()) -> list[Entry]:
     """Every safeckpt-related directory under ``root``, by step then name; [] if root is absent
     (CheckpointNotFound if its bucket is). ``leftovers=False`` skips the search for stray
-    objects and unfinished uploads (object stores)."""
+    objects and unfinished uploads (object stores). Checkpoint directories are recognised by
+    the known name patterns (``KNOWN_DIRNAMES``) and ``dirnames``."""
     store = store or storage_for(root)
     for i in range(attempts):
         try:
-            return _scan_once(store, root, leftovers, last=i == attempts - 1)
+            return _scan_once(store, root, leftovers, last=i == attempts - 1, dirnames=dirnames)
         except _Stale:
             continue
     return []  # pragma: no cover - the last attempt never raises _Stale
 
 
-def _scan_once(store: Storage, root: str, leftovers: bool, last: bool) -> list[Entry]:
+def _scan_once(store: Storage, root: str, leftovers: bool, last: bool,
+               dirnames: tuple[DirName, ...] = ()) -> list[Entry]:
     items = store.list(root)
     if items is None:
         return []
@@ -85,12 +162,12 @@ def _scan_once(store: Storage, root: str, leftovers: bool, last: bool) -> list[E
         left = _LEFTOVER_RE.match(item.name)
         if left:
             kind = "staging" if left.group(2) == STAGING_MARK else "trash"
-            out.append(Entry(item.name, path, kind, parse_step(left.group(1))))
+            out.append(Entry(item.name, path, kind, parse_step(left.group(1), dirnames)))
             continue
-        step = parse_step(item.name)
+        step, ours = _match(item.name, dirnames)
         if step is None and (store.renames or not leftovers):
             continue  # foreign: not ours, never touched
-        out += _inspect(store, item.name, path, step, leftovers, last)
+        out += _inspect(store, item.name, path, step, leftovers, last, ours)
     if leftovers:
         out = _with_uploads(store, root, out)
     if not store.renames and not last:
@@ -129,7 +206,8 @@ def remember_published(store: Storage, path: str, manifest: dict) -> None:
         _remember(stamp, CheckpointInfo.from_manifest(path, manifest))
 
 
-def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: bool, last: bool) -> list[Entry]:
+def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: bool, last: bool,
+             ours: bool = True) -> list[Entry]:
     """The entries for one directory (prefix): the checkpoint, and its stray objects.
 
     A local checkpoint whose manifest this process already read and validated is not read
@@ -152,7 +230,9 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
         ours = tuple(sorted(i.name for i in present if TOKEN_FILE.match(i.name)))
         if ours:
             return [Entry(name, path, "staging", step, files=ours)]
-        if step is not None:
+        if step is not None and ours:
+            # Only our own name counts as a broken checkpoint: checkpoint-N without a manifest
+            # is a framework's own checkpoint (foreign, never touched).
             return [Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}")]
         return []
     except (CheckpointError, OSError) as exc:
@@ -199,27 +279,27 @@ def _with_uploads(store: Storage, root: str, entries: list[Entry]) -> list[Entry
     return out
 
 
-def leftovers(root: str, store: Storage | None = None) -> list[Entry]:
+def leftovers(root: str, store: Storage | None = None, dirnames: tuple[DirName, ...] = ()) -> list[Entry]:
     """Staging/trash leftovers only. On a POSIX root, from names alone (no manifest is read,
     so the sweep before every save stays cheap however many checkpoints are kept)."""
     store = store or storage_for(root)
     if not store.renames:
-        return [e for e in scan(root, store=store) if e.status in ("staging", "trash")]
+        return [e for e in scan(root, store=store, dirnames=dirnames) if e.status in ("staging", "trash")]
     out = []
     for item in store.list(root) or ():
         m = _LEFTOVER_RE.match(item.name)
         if m and item.kind == "dir":
             kind = "staging" if m.group(2) == STAGING_MARK else "trash"
-            out.append(Entry(item.name, store.join(root, item.name), kind, parse_step(m.group(1))))
+            out.append(Entry(item.name, store.join(root, item.name), kind, parse_step(m.group(1), dirnames)))
     return sorted(out, key=lambda e: e.name)
 
 
-def sweep(root: str, store: Storage | None = None) -> None:
+def sweep(root: str, store: Storage | None = None, dirnames: tuple[DirName, ...] = ()) -> None:
     """Remove every leftover under ``root`` (the manager, before each save). Best effort: one
     the store refuses to remove now stays for the next sweep or ``safeckpt gc``, with a
     warning, and never fails the save."""
     store = store or storage_for(root)
-    for e in leftovers(root, store):
+    for e in leftovers(root, store, dirnames):
         try:
             remove_entry(e, store)
         except StorageError as exc:
@@ -236,8 +316,8 @@ def _warn_once(text: str) -> None:
         warnings.warn(text, SafeckptWarning, stacklevel=4)
 
 
-def committed(root: str, store: Storage | None = None) -> list[Entry]:
-    return [e for e in scan(root, store=store, leftovers=False) if e.status == "committed"]
+def committed(root: str, store: Storage | None = None, dirnames: tuple[DirName, ...] = ()) -> list[Entry]:
+    return [e for e in scan(root, store=store, leftovers=False, dirnames=dirnames) if e.status == "committed"]
 
 
 def remove_entry(entry: Entry, store: Storage | None = None) -> None:

@@ -1,6 +1,6 @@
 """CheckpointManager: the one object a training loop holds.
 
-One directory per step (``step-0000001200``) under ``root``. Collective methods (every rank
+One directory per step (``step-0000001200``, or the ``dirname`` pattern's name) under ``root``. Collective methods (every rank
 calls them at the same point): ``save``, ``restore``, ``wait``, ``close``, ``preempted``.
 Read-only methods (any process, no lock, no process group): ``list``, ``latest``.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from . import _frozen
 from ._async import AsyncSaver
-from ._catalog import committed, remove_entry, scan, step_dirname, sweep
+from ._catalog import DEFAULT_DIRNAME, committed, dirname_of, remove_entry, scan, sweep
 from ._dist import Coordinator, resolve_timeout
 from ._frozen import check_frozen_mode
 from ._load import load
@@ -27,7 +27,7 @@ from ._lock import DEFAULT_LEASE, writer_lease
 from ._manifest import CheckpointInfo
 from ._offline import verify_on
 from ._preempt import PreemptionWatcher
-from ._save import SnapshotPool, _SaveJob, new_job, paused_gc
+from ._save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
 from ._storage import join, resolve, storage_for
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from .retention import RetentionPolicy
@@ -59,6 +59,11 @@ class CheckpointManager:
         frozen: ``"fingerprint"`` (default): frozen parameters (``requires_grad=False``) of
             modules in the state are saved as fingerprints (xxh3 checksum, shape, dtype) and
             verified on restore; ``"full"``: saved like the rest (see ``safeckpt._frozen``).
+        dirname: the name pattern of the directories this manager commits, with one ``{step}``
+            field: ``"step-{step:010d}"`` (default), ``"checkpoint-{step}"`` (Trainer's),
+            ``"checkpoint_{step}"`` (Accelerate's) or another. Restore, retention and the sweep
+            take every committed checkpoint under ``root`` with a known name (these three and
+            this pattern), so a run that changes the pattern still resumes from the old ones.
     """
 
     def __init__(
@@ -77,8 +82,11 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         retention: Any = None,
         frozen: str = "fingerprint",
+        dirname: str | None = None,
     ) -> None:
         self.root = resolve(root)
+        self.dirname = dirname_of(dirname)
+        self._dirnames = () if self.dirname == DEFAULT_DIRNAME else (self.dirname,)
         self.policy = retention if retention is not None else RetentionPolicy(
             keep_last, keep_best, best_metric, best_mode, keep_every)
         self.frozen = check_frozen_mode(frozen)
@@ -104,7 +112,7 @@ class CheckpointManager:
     # ----------------------------------------------------------- read-only
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints under root, oldest first (reads manifests; no lock)."""
-        return [e.info for e in committed(self.root, self._store) if e.info is not None]
+        return [e.info for e in committed(self.root, self._store, self._dirnames) if e.info is not None]
 
     def latest(self) -> CheckpointInfo | None:
         found = self.list()
@@ -189,7 +197,7 @@ class CheckpointManager:
     def _pick(self, step: int | None, is_coordinator: bool) -> dict[str, Any] | None:
         if not is_coordinator:
             return None
-        entries = scan(self.root, store=self._store)
+        entries = scan(self.root, store=self._store, dirnames=self._dirnames)
         notes = []
         candidates = []
         damaged = []
@@ -216,17 +224,29 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         *,
         metadata: Mapping[str, Any] | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
     ) -> CheckpointInfo | None:
         """Save ``state`` as ``step`` (collective). Returns its info, or None with async_save
-        (the save then commits in the background; ``wait()`` returns its info)."""
+        (the save then commits in the background; ``wait()`` returns its info).
+
+        ``extra_files`` (name -> bytes; plain file names, not ``manifest.json`` nor ``rank-*``):
+        files committed inside the checkpoint directory with it (a framework's own JSON, such
+        as Trainer's ``trainer_state.json``), listed in the manifest with their checksum and
+        checked by verify. The coordinator's (rank 0's) mapping is the one written."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # one save in flight; raises the previous background save's error
-        path = join(self.root, step_dirname(step))
+        extra = {}
+        for name, data in (extra_files or {}).items():
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"extra_files[{name!r}] must be bytes, got {type(data).__name__}")
+            extra[safe_extra_name(name)] = bytes(data)
+        path = join(self.root, self.dirname.format(step))
         coord = self._coord(what=f"save of step {step} to {path}")
         state = _frozen.for_save(state, self.frozen)
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
+        job.extra_files = extra
         # Folded into the save's own two exchanges (the coordinator runs them): the lease and the
         # sweep before staging, retention after publishing.
         job.before_stage = lambda: self._begin(True)
@@ -249,7 +269,7 @@ class CheckpointManager:
         if not is_coordinator:
             return
         self._lock.acquire()
-        sweep(self.root, self._store)
+        sweep(self.root, self._store, self._dirnames)
 
     def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
         return job.finish()  # retention ran on the coordinator right after publishing
@@ -257,14 +277,15 @@ class CheckpointManager:
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:
             return []
-        entries = committed(self.root, self._store)
+        entries = committed(self.root, self._store, self._dirnames)
         # Never the restored checkpoint, nor the one just written (even if a stale checkpoint
         # with a higher step, from a run that got further, counts as "newest").
         protect = {s for s in (self._restored, saved) if s is not None}
         doomed = self.policy.delete([(e.step, e.info.metrics if e.info else {}) for e in entries], protect)
-        by_step = {e.step: e for e in entries}
-        for s in doomed:
-            remove_entry(by_step[s], self._store)
+        gone = set(doomed)
+        for e in entries:  # a step committed under two names (step-N and checkpoint-N): both
+            if e.step in gone:
+                remove_entry(e, self._store)
         return doomed
 
     def retain(self) -> list[int]:
