@@ -164,10 +164,10 @@ def _scan_once(store: Storage, root: str, leftovers: bool, last: bool,
             kind = "staging" if left.group(2) == STAGING_MARK else "trash"
             out.append(Entry(item.name, path, kind, parse_step(left.group(1), dirnames)))
             continue
-        step, ours = _match(item.name, dirnames)
+        step, default_name = _match(item.name, dirnames)
         if step is None and (store.renames or not leftovers):
             continue  # foreign: not ours, never touched
-        out += _inspect(store, item.name, path, step, leftovers, last, ours)
+        out += _inspect(store, item.name, path, step, leftovers, last, default_name)
     if leftovers:
         out = _with_uploads(store, root, out)
     if not store.renames and not last:
@@ -207,7 +207,7 @@ def remember_published(store: Storage, path: str, manifest: dict) -> None:
 
 
 def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: bool, last: bool,
-             ours: bool = True) -> list[Entry]:
+             default_name: bool = True) -> list[Entry]:
     """The entries for one directory (prefix): the checkpoint, and its stray objects.
 
     A local checkpoint whose manifest this process already read and validated is not read
@@ -230,7 +230,7 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
         ours = tuple(sorted(i.name for i in present if TOKEN_FILE.match(i.name)))
         if ours:
             return [Entry(name, path, "staging", step, files=ours)]
-        if step is not None and ours:
+        if step is not None and default_name:
             # Only our own name counts as a broken checkpoint: checkpoint-N without a manifest
             # is a framework's own checkpoint (foreign, never touched).
             return [Entry(name, path, "incomplete", step, problem=f"no {MANIFEST}")]
