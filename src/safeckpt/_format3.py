@@ -69,7 +69,16 @@ class Layout:
             return sorted({p[0] for p in rec["pieces"] if p[1] < hi and p[1] + p[2] > lo or p[2] == 0})
         if "sharding" in rec:
             sh = rec["sharding"]
-            return sorted({r for r, _ in overlapping(key, rec["shape"], self.meshes[sh["mesh"]], sh["dims"], want)})
+            mesh = self.meshes[sh["mesh"]]
+            if want is not None and len(sh["dims"]) == 1 and sh["dims"][0][0] == "S":
+                # one mesh dim sharding one tensor dim (FSDP2): the ranks whose rows meet want's
+                dim, shape = sh["dims"][0][1], rec["shape"]
+                piece = -(-shape[dim] // mesh.size) if shape[dim] else 0
+                lo, n = want[0][dim], want[1][dim]
+                if not piece or not n:
+                    return []
+                return [mesh.rank_at(c) for c in range(lo // piece, min(mesh.size - 1, (lo + n - 1) // piece) + 1)]
+            return sorted({r for r, _ in overlapping(key, rec["shape"], mesh, sh["dims"], want)})
         out = set()
         for r, offsets, sizes in rec["boxes"]:
             if want is None or _meets((offsets, sizes), want):

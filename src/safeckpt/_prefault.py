@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ._tree import is_dtensor
+from ._tree import is_dtensor, local_of
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 MIN_BYTES = 16 << 20  # below this the thread costs more than the faults
@@ -70,7 +70,7 @@ def page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     spans = []
     for t in tensors:
         if is_dtensor(t):
-            t = t.to_local()
+            t = local_of(t)
         if t.nbytes < MIN_TENSOR or t.device.type != "cpu":
             continue
         start = t.data_ptr()

@@ -23,8 +23,9 @@ import xxhash
 from ._format3 import FORMAT_V3, Layout
 from ._manifest import dtype_size, safe_file_path, torch_dtype
 from ._shardfile import HASH_BUFFER, IOV_MAX, header_problems
+from ._sharding import box_at, dims_of
 from ._storage import Storage, storage_for
-from ._tree import is_dtensor
+from ._tree import is_dtensor, local_of
 from .errors import CorruptCheckpoint
 
 Box = list[list[int]]  # [offsets, sizes]
@@ -50,11 +51,38 @@ def read_threads(ranks_on_machine: int = 1) -> int:
 def local_box(t: torch.Tensor) -> Box:
     """[global offsets, local sizes] of this rank's part of ``t`` (the whole of a plain tensor)."""
     if is_dtensor(t):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return [list(offset), list(shape)]
+        return _dtensor_box(t)
     return [[0] * t.dim(), list(t.shape)]
+
+
+_BOXES: dict[tuple, tuple[Any, Box]] = {}  # (mesh id, placements, shape) -> (mesh, box)
+
+
+def _dtensor_box(t: Any) -> Box:
+    """A DTensor's box by the Shard/Replicate rule (``_sharding``), cached per mesh,
+    placements and shape, and checked against its local shard's shape; torch's own function
+    (~0.3 ms a call: most of an FSDP2 save of 1,000 tensors) for anything else."""
+    mesh = t.device_mesh
+    key = (id(mesh), tuple(t.placements), tuple(t.shape))
+    hit = _BOXES.get(key)
+    if hit is None or hit[0] is not mesh:
+        dims = dims_of(t)
+        coord = mesh.get_coordinate()
+        box: Box | None = None
+        if dims is not None and coord is not None:
+            offsets, sizes = box_at(list(t.shape), list(mesh.shape), coord, dims)
+            box = [offsets, sizes]
+        hit = (mesh, box)
+        if len(_BOXES) > 4096:
+            _BOXES.clear()
+        _BOXES[key] = hit
+    box = hit[1]
+    if box is not None and list(local_of(t).shape) == box[1]:
+        return [list(box[0]), list(box[1])]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return [list(offset), list(shape)]
 
 
 def placement_of(t: torch.Tensor) -> dict[str, Any] | None:
@@ -213,7 +241,7 @@ class TensorReader:
         ``dst`` is a fresh tensor nobody else sees yet (see :meth:`fill_box`). ``box``: its
         :func:`local_box`, if the caller has it already.
         """
-        local = dst.to_local() if is_dtensor(dst) else dst
+        local = local_of(dst) if is_dtensor(dst) else dst
         self.fill_box(key, local, box or local_box(dst), owned=owned)
 
     def _chunks(self, key: str, rec: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ from ._shardfile import tensor_bytes
 from ._sharding import Mesh, box_at, dims_of, mesh_record, writes
 from ._staging import PendingCopies, copy_aside
 from ._storage import Storage, resolve, storage_for
-from ._tree import EncodedObject, Leaf, encode_state, escape_key, param_names
+from ._tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
 from .errors import CheckpointError, RankMismatch
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
@@ -117,7 +117,8 @@ class _SaveJob:
         self.copies = PendingCopies()  # snapshot copies still running on a GPU
         self.staging: dict[str, str] | None = None  # set by the agreement (the coordinator staged)
         self.irregular: dict[str, list[list[Any]]] = {}  # key -> [[writer rank, offsets, sizes]]
-        self.rank0_trees = ""  # hash of rank 0's object trees (see _trees)
+        self.rank0_trees = ""  # hash of rank 0's object trees (see _agree)
+        self.rank0_tree_hashes: dict[str, str] = {}  # rank 0's hash of each tree, when some rank's differ
         self.plan: _Plan | None = None
         # Coordinator hooks (the manager's): run before staging (take the lease, sweep), and
         # after publishing (retention; its error is reported, the checkpoint stays committed).
@@ -147,6 +148,7 @@ class _SaveJob:
             self.staging = decision["staging"]
             self.irregular = decision["irregular"]
             self.rank0_trees = decision["trees"]
+            self.rank0_tree_hashes = decision.get("tree_hashes", {})
 
     def snapshot(self, pool: SnapshotPool) -> None:
         """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
@@ -212,8 +214,10 @@ class _SaveJob:
         self.digests = self._replica_digests() if self._replica_mode() != "off" else None
         combined = None if self.digests is None else xxhash.xxh3_128_hexdigest(json.dumps(sorted(self.digests.items())).encode())
         self.my_trees = {o.name: o.tree for o in self.objects if not _single_ref(o.tree)}
-        self.trees_hash = "" if single else xxhash.xxh3_64_hexdigest(
-            json.dumps(self.my_trees, sort_keys=True, allow_nan=True, default=str).encode())
+        self.tree_hashes = {} if single else {
+            name: xxhash.xxh3_64_hexdigest(json.dumps(tree, sort_keys=True, allow_nan=True, default=str).encode())
+            for name, tree in self.my_trees.items()}
+        self.trees_hash = "" if single else xxhash.xxh3_64_hexdigest(json.dumps(sorted(self.tree_hashes.items())).encode())
         return {
             "path": self.target,
             "step": self.step,
@@ -345,7 +349,11 @@ class _SaveJob:
         if self.before_stage is not None:
             self.before_stage()
         staging = _commit.begin(self.store, self.target, self.overwrite)
-        return {"staging": staging, "irregular": irregular, "trees": agreed[0]["trees"]}
+        # Rank 0's hash of each object tree, only when some rank's trees differ from them (RNG
+        # states, data positions): each such rank then stores just the trees that differ.
+        differ = any(a["trees"] != agreed[0]["trees"] for a in agreed)
+        return {"staging": staging, "irregular": irregular, "trees": agreed[0]["trees"],
+                "tree_hashes": getattr(self, "tree_hashes", {}) if differ else {}}
 
     def _owners(self, boxes: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
         """For each shard not described by the DTensor rule on some rank: every rank's box (the
@@ -388,7 +396,7 @@ class _SaveJob:
         for name, key_, how in cached.specs:
             t = leaves[key_].tensor
             if how is not None:
-                t = t.to_local() if how == "local" else t.narrow(0, *how)
+                t = local_of(t) if how == "local" else t.narrow(0, *how)
             items.append((name, t))
         self.items = items
 
@@ -466,7 +474,9 @@ class _SaveJob:
         self._plan()
         assert self.plan is not None
         # Trees that differ from rank 0's (RNG states, data positions) go into this rank's index.
-        trees = self.my_trees if self.trees_hash != self.rank0_trees else {}
+        trees = {} if self.trees_hash == self.rank0_trees else {
+            name: tree for name, tree in self.my_trees.items()
+            if self.tree_hashes.get(name) != self.rank0_tree_hashes.get(name)}
         builder = self.plan.index
         fname, written = _retry_missing_dir(
             lambda: _commit.write(self.store, staging, self.coord.rank, self.items, {"format": FORMAT},
@@ -650,7 +660,7 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
             continue
         t = leaf.tensor
         if leaf.scope == "sharded":
-            t = t.to_local()
+            t = local_of(t)
             if not t.numel():
                 continue
         ptr = t.data_ptr()
@@ -662,7 +672,7 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
         first: dict[tuple, str] = {}
         for k in sorted(keys):
             leaf = leaves[k]
-            t = leaf.tensor.to_local() if leaf.scope == "sharded" else leaf.tensor
+            t = local_of(leaf.tensor) if leaf.scope == "sharded" else leaf.tensor
             ident = (leaf.scope, t.device, leaf.dtype, tuple(t.shape), t.stride(), tuple(leaf.shape))
             if ident in first:
                 aliases[k] = first[ident]

@@ -114,6 +114,8 @@ def box_at(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int]
 def writer_replica(key: str, mesh_shape: Sequence[int], dims: Sequence[Sequence[Any]]) -> list[int]:
     """The coordinate along each Replicate mesh dim (in order) of the replica that writes ``key``."""
     rep = [mesh_shape[i] for i, d in enumerate(dims) if d[0] == "R"]
+    if not rep:
+        return []
     index = zlib.crc32(key.encode()) % max(1, math.prod(rep))
     out = []
     for n in reversed(rep):

@@ -94,6 +94,13 @@ def is_dtensor(t: Any) -> bool:
     return bool(DTensor) and isinstance(t, DTensor)
 
 
+def local_of(t: Any) -> Any:
+    """A DTensor's local shard, the tensor itself (``to_local()`` goes through autograd and
+    cost ~15 us per call: a sixth of an FSDP2 save of 1,000 tensors)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if local is not None else t.to_local()
+
+
 def unwrap_module(module: nn.Module) -> nn.Module:
     """Strip DDP/DataParallel and torch.compile wrappers so keys carry no prefixes."""
     while True:
