@@ -38,11 +38,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import io
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -711,36 +713,25 @@ class StorageReader(_dcp.StorageReader):
                     size = self._manifest["files"][c["file"]]["size"]
                     files[c["file"]] = MappedFile(safe_file_path(self.path, c["file"]), size)
                 work.append((ri, c))
-            if self.verify_checksums:  # every chunk first: nothing is copied from a damaged file
-                seen = set()
-                for ri, c in work:
-                    ident = (c["file"], c["start"])
-                    if ident in seen or c["end"] == c["start"]:
-                        continue
-                    seen.add(ident)
-                    got = files[c["file"]].hash_range_local(c["start"], c["end"], 64 << 20)
-                    if got != c["xxh3_64"]:
-                        raise CorruptCheckpoint(
-                            f"checksum mismatch in {os.path.join(self.path, c['file'])} bytes "
-                            f"{c['start']}-{c['end']} ({ri.storage_index.fqn!r}): the data is corrupt. "
-                            "Load an older checkpoint.", path=self.path)
+            # Targets first (resolving writes nothing), then every chunk verified, then copies:
+            # nothing is copied from a damaged file. Hashing and reading release the GIL, so
+            # both passes run on a few threads (a cold file is read while another is hashed).
+            jobs = []
             for ri, c in work:
-                dtype = torch_dtype(c["dtype"])
                 target = planner.resolve_tensor(ri).detach()
                 if tuple(target.shape) != tuple(ri.lengths):
                     raise CheckpointError(
                         f"DCP asked for {tuple(ri.lengths)} of {ri.storage_index.fqn!r} into a tensor of "
                         f"shape {tuple(target.shape)}")
-                if (not any(ri.storage_offsets) and list(ri.lengths) == list(c["sizes"]) and target.is_cpu
-                        and target.dtype == dtype and target.is_contiguous()
-                        and target.nbytes == c["end"] - c["start"] > 0):
-                    # the whole chunk into a plain CPU tensor: read straight into it (no mapping)
-                    files[c["file"]].read_into(c["start"], _bytes_of(target))
-                else:
-                    src = files[c["file"]].tensor(c["start"], c["end"], dtype, c["sizes"], None)
-                    for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
-                        src = src.narrow(dim, off, n)
-                    target.copy_(src)
+                jobs.append((ri, c, target))
+            if self.verify_checksums:
+                seen: dict[tuple[str, int], tuple[Any, dict[str, Any]]] = {}
+                for ri, c in work:
+                    if c["end"] > c["start"]:
+                        seen.setdefault((c["file"], c["start"]), (ri, c))
+                _threaded([functools.partial(self._verify, files[c["file"]], ri, c) for ri, c in seen.values()])
+            _threaded([functools.partial(_copy_chunk, files[c["file"]], ri, c, target) for ri, c, target in jobs])
+            for ri, _, target in jobs:
                 planner.commit_tensor(ri, target)
             for ri in plan.items:
                 if ri.type == LoadItemType.BYTE_IO:
@@ -751,6 +742,15 @@ class StorageReader(_dcp.StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _verify(self, f: MappedFile, ri: Any, c: dict[str, Any]) -> None:
+        """Hash chunk ``c`` in place (through a read-only mapping: the bytes reach the page
+        cache once, for the copy that follows) and compare with its recorded xxh3-64."""
+        if f.hash_range_local(c["start"], c["end"], 64 << 20) != c["xxh3_64"]:
+            raise CorruptCheckpoint(
+                f"checksum mismatch in {os.path.join(self.path, c['file'])} bytes "
+                f"{c['start']}-{c['end']} ({ri.storage_index.fqn!r}): the data is corrupt. "
+                "Load an older checkpoint.", path=self.path)
 
     def _load_value(self, ri: Any, planner: LoadPlanner) -> None:
         fqn = ri.storage_index.fqn
@@ -772,6 +772,33 @@ class StorageReader(_dcp.StorageReader):
         torch.save(value, buf)
         buf.seek(0)
         planner.load_bytes(ri, buf)
+
+
+def _copy_chunk(f: MappedFile, ri: Any, c: dict[str, Any], target: torch.Tensor) -> None:
+    """Copy what ``ri`` asks of chunk ``c`` into ``target`` (already checked)."""
+    dtype = torch_dtype(c["dtype"])
+    if (not any(ri.storage_offsets) and list(ri.lengths) == list(c["sizes"]) and target.is_cpu
+            and target.dtype == dtype and target.is_contiguous() and target.nbytes == c["end"] - c["start"] > 0):
+        f.read_into(c["start"], _bytes_of(target))  # the whole chunk into a plain CPU tensor: preadv
+        return
+    src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
+    for dim, (off, n) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
+        src = src.narrow(dim, off, n)
+    target.copy_(src)
+
+
+_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _threaded(tasks: list[Callable[[], None]]) -> None:
+    """Run I/O tasks (reads and hashes release the GIL) on a few threads; the first error wins."""
+    if len(tasks) < 2 or _READ_THREADS < 2:
+        for task in tasks:
+            task()
+        return
+    with ThreadPoolExecutor(min(_READ_THREADS, len(tasks)), thread_name_prefix="safeckpt-dcp-read") as pool:
+        for future in [pool.submit(task) for task in tasks]:
+            future.result()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
