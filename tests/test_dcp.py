@@ -586,3 +586,15 @@ def test_async_save_process_mode(tmp_path):
     flat = safeckpt.read_state_dict(ckpt)
     assert torch.equal(flat["w"], w) and torch.equal(flat["b"], b) and flat["step"] == 5
     assert dist_harness.leftovers(root) == []
+
+
+def test_manager_writer_refuses_process_mode_and_bad_steps(tmp_path):
+    import pickle
+
+    with safeckpt.CheckpointManager(str(tmp_path)) as mgr:
+        writer = safeckpt.dcp.manager_writer(mgr, 7)
+        assert writer.path == os.path.join(str(tmp_path), "step-0000000007") and writer.step == 7
+        with pytest.raises(safeckpt.CheckpointError, match="process mode"):
+            pickle.dumps(writer)
+        with pytest.raises(ValueError, match="non-negative int"):
+            safeckpt.dcp.manager_writer(mgr, -1)
