@@ -7,7 +7,9 @@ written, with a message that says what to do.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -136,11 +138,31 @@ def test_accelerate_refusals_and_plain_directory(tmp_path) -> None:
         with pytest.raises(safeckpt.CheckpointNotFound):
             acc.load_state()  # nothing saved yet
         first = acc.save_state()
-        assert first.endswith("step-0000000000") and acc.project_configuration.iteration == 1
-        handle = acc.register_save_state_pre_hook(lambda models, weights, out: None)
-        with pytest.raises(safeckpt.CheckpointError, match="pre_hook"):
+        assert first.endswith("checkpoint_0") and acc.project_configuration.iteration == 1
+        # save hooks write into a private directory whose plain files are committed with the
+        # checkpoint (verify covers them); load hooks get the checkpoint directory
+        def save_hook(models, weights, out):
+            with open(os.path.join(out, "data.json"), "w") as f:
+                f.write(json.dumps({"n": len(models)}))
+
+        seen = []
+        handle = acc.register_save_state_pre_hook(save_hook)
+        load_handle = acc.register_load_state_pre_hook(
+            lambda models, d: seen.append(open(os.path.join(d, "data.json")).read()))
+        second = acc.save_state()
+        assert second.endswith("checkpoint_1") and safeckpt.verify(second).ok
+        acc.load_state(second)
+        assert seen == ['{"n": 1}']
+        with open(os.path.join(second, "data.json"), "w") as f:
+            f.write('{"n": 2}')  # the hook's file is checked like the rest
+        assert not safeckpt.verify(second).ok
+        handle.remove()
+        load_handle.remove()
+        handle = acc.register_save_state_pre_hook(lambda models, weights, out: os.mkdir(os.path.join(out, "sub")))
+        with pytest.raises(safeckpt.CheckpointError, match="not a plain file"):
             acc.save_state()
         handle.remove()
+        shutil.rmtree(second)
         acc.project_configuration.iteration = 0  # would overwrite checkpoint 0
         with pytest.raises(safeckpt.CheckpointExists, match="call load_state"):
             acc.save_state()

@@ -287,8 +287,8 @@ def test_accelerate_sigterm_resume_is_bit_exact(runs: Runs) -> None:
     ref = dict(map(tuple, straight["losses"]))
     got = dict(map(tuple, pre["losses"] + final["losses"]))
     assert sorted(got) == list(range(1, 13)) and got == ref
-    a = runs.path("acc_straight", "checkpoints", "step-0000000002")   # step 12
-    b = runs.path("acc_resumed", "checkpoints", "step-0000000003")    # step 12
+    a = runs.path("acc_straight", "checkpoints", "checkpoint_2")   # step 12
+    b = runs.path("acc_resumed", "checkpoints", "checkpoint_3")     # step 12
     assert_same_checkpoint(a, b, ignore=("accelerator/iteration",))
     sd = safeckpt.read_state_dict(b)
     assert sd["custom_0/step"] == 12 and sd["dataloader_0/sampler/initial_seed"] == 11

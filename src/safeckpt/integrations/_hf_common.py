@@ -22,10 +22,15 @@ import torch
 from ..errors import CheckpointError, IncompatibleCheckpoint
 from ..rng import RNGState
 
+TRAINER_DIRNAME = "checkpoint-{step}"     # transformers' PREFIX_CHECKPOINT_DIR + "-N"
+ACCELERATE_DIRNAME = "checkpoint_{step}"  # accelerate's save_state(automatic_checkpoint_naming)
 
-def step_dir(root: str, step: int) -> str:
-    """Where a CheckpointManager under ``root`` commits ``step`` (README: On-disk format)."""
-    return os.path.join(root, f"step-{step:010d}")
+
+def step_dir(root: str, step: int, dirname: str | None = None) -> str:
+    """Where a CheckpointManager under ``root`` with ``dirname`` commits ``step``."""
+    from .._catalog import step_dirname
+
+    return os.path.join(root, step_dirname(step, dirname))
 
 
 def rank() -> int:
@@ -250,12 +255,74 @@ def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool 
 
 
 def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | None = None,
-                    frozen: str = "fingerprint") -> Any:
-    """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective)."""
-    from .. import _frozen, save
+                    frozen: str = "fingerprint", extra_files: Mapping[str, bytes] | None = None) -> Any:
+    """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective);
+    ``extra_files`` (rank 0's) are committed inside the checkpoint (as
+    ``CheckpointManager.save(extra_files=...)``)."""
+    from .. import _frozen
+    from .._dist import Coordinator
+    from .._save import new_job, safe_extra_name
+    from .._storage import resolve, storage_for
 
-    return save(path, _frozen.for_save(state, _frozen.check_frozen_mode(frozen)), overwrite=True,
-                timeout=timeout)
+    target = resolve(path)
+    extra = {safe_extra_name(k): bytes(v) for k, v in (extra_files or {}).items()}
+    coord = Coordinator(timeout, what=f"save to {target}")
+    job = new_job(coord, target, _frozen.for_save(state, _frozen.check_frozen_mode(frozen)), None,
+                  True, None, None, "auto", store=storage_for(target, None, timeout=coord.timeout))
+    job.extra_files = extra
+    return job.run()
+
+
+MAX_HOOK_FILE = 64 << 20
+
+
+def agree_all(fn: Callable[[], Any], where: str) -> Any:
+    """Run ``fn`` on every rank; if it raised on any rank, raise on every rank (naming the
+    ranks) before anyone goes on to a collective save or load."""
+    import torch.distributed as dist
+
+    local: Exception | None = None
+    out = None
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        local = exc
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if local is None else f"{type(local).__name__}: {local}")
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad and local is None:
+            raise CheckpointError(f"{where} failed on " + "; ".join(f"rank {r}: {e}" for r, e in bad)
+                                  + f" (rank {dist.get_rank()} stops too; nothing was written)")
+    if local is not None:
+        raise local
+    return out
+
+
+def read_hook_files(directory: str, where: str) -> dict[str, bytes]:
+    """The plain files a user hook wrote into ``directory``, as extra files of a checkpoint."""
+    from .._save import safe_extra_name
+
+    out: dict[str, bytes] = {}
+    for name in sorted(os.listdir(directory)):
+        p = os.path.join(directory, name)
+        if not os.path.isfile(p) or os.path.islink(p):
+            raise CheckpointError(
+                f"{where}: a save_state pre-hook wrote {name!r}, which is not a plain file; only "
+                "plain files directly in output_dir are taken into the safeckpt checkpoint "
+                "(models are saved by safeckpt itself; register other state with "
+                "register_for_checkpointing)")
+        if os.path.getsize(p) > MAX_HOOK_FILE:
+            raise CheckpointError(f"{where}: a save_state pre-hook wrote {name!r} of more than 64 MiB; "
+                                  "hook files are held in memory until the commit. Register large "
+                                  "state with register_for_checkpointing (tensors) instead.")
+        try:
+            safe_extra_name(name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{where}: a save_state pre-hook wrote {name!r}: {exc}") from None
+        with open(p, "rb") as f:
+            out[name] = f.read()
+    return out
 
 
 # --------------------------------------------------------------------------- export

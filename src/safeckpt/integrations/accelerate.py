@@ -17,8 +17,8 @@ DTensors), optimizer, scheduler, the grad scaler, every ``register_for_checkpoin
 (tensors and JSON only; anything else is refused with the object's name), each prepared
 dataloader's seedable-sampler state (and a stateful dataloader's position, per rank),
 ``accelerator.step``, the save iteration and every rank's RNG. With
-``automatic_checkpoint_naming`` checkpoints are ``project_dir/checkpoints/step-NNNNNNNNNN``
-(N = the save iteration), ``total_limit`` is applied only after the new one is committed, and
+``automatic_checkpoint_naming`` checkpoints are ``project_dir/checkpoints/checkpoint_N``
+(Accelerate's names; N = the save iteration), ``total_limit`` is applied only after the new one is committed, and
 ``load_state()`` takes the newest one that verifies and restores the iteration, so the next
 save gets the next number. Nothing is pickled.
 """
@@ -26,6 +26,7 @@ save gets the next number. Nothing is pickled.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from accelerate import Accelerator
@@ -43,13 +44,6 @@ def _check(acc: Accelerator, where: str) -> None:
         common.refuse_deepspeed(where)
     if acc.distributed_type == DistributedType.MEGATRON_LM:
         raise CheckpointError(f"{where}: Megatron-LM engines are not supported by safeckpt")
-    if acc._save_model_state_pre_hook or acc._load_model_state_pre_hook:
-        raise CheckpointError(
-            f"{where}: register_save_state_pre_hook / register_load_state_pre_hook hooks write or "
-            "read their own files, which would sit outside the atomic checkpoint. Remove them: "
-            "safeckpt saves every prepared model itself (register other state with "
-            "register_for_checkpointing)."
-        )
 
 
 def accelerator_state(acc: Accelerator, *, loading: bool = False) -> dict[str, Any]:
@@ -101,6 +95,40 @@ def _apply(acc: Accelerator, state: dict[str, Any]) -> None:
     acc.project_configuration.iteration = int(meta["iteration"]) + 1
 
 
+def _save_hooks(acc: Accelerator) -> dict[str, bytes]:
+    """Run ``register_save_state_pre_hook`` hooks as Accelerate does, but into a private
+    directory: the plain files they write there (rank 0's) are committed inside the checkpoint,
+    so the load hooks find them in the checkpoint directory. Models they pop from ``weights``
+    are saved all the same (safeckpt saves every prepared model)."""
+    hooks = list(acc._save_model_state_pre_hook.values())
+    if not hooks:
+        return {}
+
+    def run() -> dict[str, bytes]:
+        weights = [m.state_dict() for m in acc._models]
+        with tempfile.TemporaryDirectory(prefix="safeckpt-accelerate-hooks-") as tmp:
+            for hook in hooks:
+                hook(acc._models, weights, tmp)
+            return common.read_hook_files(tmp, "save_state")
+
+    files = common.agree_all(run, "save_state's pre-hooks")
+    return files if common.rank() == 0 else {}
+
+
+def _load_hooks(acc: Accelerator, path: str) -> list[Any]:
+    """Run ``register_load_state_pre_hook`` hooks with the checkpoint directory (which holds
+    the files the save hooks wrote); returns the models list they leave."""
+    models = list(acc._models)
+    hooks = list(acc._load_model_state_pre_hook.values())
+    if hooks:
+        def run() -> None:
+            for hook in hooks:
+                hook(models, path)
+
+        common.agree_all(run, "load_state's pre-hooks")
+    return models
+
+
 def _root(acc: Accelerator) -> str:
     return os.path.join(os.path.abspath(acc.project_dir), "checkpoints")
 
@@ -109,7 +137,8 @@ def _manager(acc: Accelerator, timeout: float | None) -> CheckpointManager:
     mgr = getattr(acc, "_safeckpt_mgr", None)
     if mgr is None:
         cfg = acc.project_configuration
-        mgr = CheckpointManager(_root(acc), keep_last=cfg.total_limit or None, timeout=timeout)
+        mgr = CheckpointManager(_root(acc), keep_last=cfg.total_limit or None, timeout=timeout,
+                                dirname=common.ACCELERATE_DIRNAME)
         acc._safeckpt_mgr = mgr
     return mgr
 
@@ -124,23 +153,25 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
     existing safeckpt checkpoint there is replaced atomically).
     """
     state = accelerator_state(acc)
+    extra = _save_hooks(acc)
     cfg = acc.project_configuration
     if cfg.automatic_checkpoint_naming:
         mgr = _manager(acc, timeout)
         step = int(cfg.iteration)
-        path = common.step_dir(_root(acc), step)
+        path = common.step_dir(_root(acc), step, common.ACCELERATE_DIRNAME)
         if common.share_from_rank0(lambda: os.path.exists(path)):
             raise CheckpointExists(
                 f"{path} (save iteration {step}) exists already: call load_state() first to "
                 "continue this project, or set project_configuration.iteration."
             )
-        info = mgr.save(step, state)
+        info = mgr.save(step, state, extra_files=extra)
         path = info.path if info is not None else path
     else:
         if output_dir is None:
             raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
                                   "naming is disabled")
-        path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout).path
+        path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
+                                      extra_files=extra).path
     cfg.iteration += 1
     return path
 
@@ -161,10 +192,20 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None
         step = _manager(acc, timeout).restore(state)
         if step is None:
             raise CheckpointNotFound(f"no committed checkpoint under {_root(acc)}", path=_root(acc))
-        path = common.step_dir(_root(acc), step)
+        path = common.step_dir(_root(acc), step, common.ACCELERATE_DIRNAME)
+        # The pick is made with the load (newest that loads): the hooks see it afterwards.
+        _load_hooks(acc, path)
     else:
         path = os.path.abspath(os.fspath(input_dir))
-        common.load_checkpoint(path, state, timeout=timeout)
+        models = _load_hooks(acc, path)
+        popped = [i for i, m in enumerate(acc._models) if not any(m is k for k in models)]
+        if popped:
+            # A hook that takes a model out of the list loads it itself (as with Accelerate).
+            for i in popped:
+                del state[f"model_{i}"]
+            common.load_entries(path, state, timeout=timeout, where="load_state")
+        else:
+            common.load_checkpoint(path, state, timeout=timeout)
     _apply(acc, state)
     return path
 
