@@ -85,7 +85,7 @@ def test_trainer_format_checkpoint_is_not_resumed(tmp_path) -> None:
 def test_save_only_model_checkpoint_cannot_resume(tmp_path) -> None:
     t = _trainer(str(tmp_path), save_only_model=True)
     t.train()
-    sd = safeckpt.read_state_dict(str(tmp_path / "step-0000000002"))
+    sd = safeckpt.read_state_dict(str(tmp_path / "checkpoint-2"))
     assert not any(k.startswith(("optimizer/", "rng/")) for k in sd) and "trainer_state/global_step" in sd
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match="save_only_model=True"):
         _trainer(str(tmp_path), max_steps=4).train(resume_from_checkpoint=True)

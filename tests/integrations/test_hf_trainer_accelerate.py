@@ -102,7 +102,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     after_crash = {
         "listing": sorted(os.listdir(resumed)),
         "committed": [i.step for i in safeckpt.CheckpointManager(resumed, preemption_signals=()).list()],
-        "verify5": safeckpt.verify(os.path.join(resumed, "step-0000000005")).ok,
+        "verify5": safeckpt.verify(os.path.join(resumed, "checkpoint-5")).ok,
     }
     logs["final"] = _launch("final", base)
     return Runs(base, logs, after_crash)
@@ -180,11 +180,11 @@ def test_trainer_resume_is_bit_exact(runs: Runs) -> None:
     ref = losses(runs.path("straight", "losses.jsonl"))
     got = losses(runs.path("resumed", "losses.jsonl"))  # steps 1-5, 6-8 (crashed run), 6-12
     assert sorted(ref) == list(range(1, 13)) and got == ref
-    n = assert_same_checkpoint(runs.path("straight", "step-0000000012"),
-                               runs.path("resumed", "step-0000000012"),
+    n = assert_same_checkpoint(runs.path("straight", "checkpoint-12"),
+                               runs.path("resumed", "checkpoint-12"),
                                ignore=("trainer_state/log_history", "trainer_state/best_model_checkpoint"))
     assert n > 60  # model, AdamW exp_avg/exp_avg_sq/step, RNG tensors
-    sd = safeckpt.read_state_dict(runs.path("resumed", "step-0000000012"))
+    sd = safeckpt.read_state_dict(runs.path("resumed", "checkpoint-12"))
     assert {"model", "optimizer", "scheduler", "rng", "trainer_state", "sampler"} <= {k.split("/")[0] for k in sd}
     assert sd["trainer_state/global_step"] == 12 and sd["sampler/seedable/initial_seed"] == 7
     assert_same_rng(runs.path("straight"), runs.path("resumed"), "ddp")
@@ -192,10 +192,20 @@ def test_trainer_resume_is_bit_exact(runs: Runs) -> None:
     # committed with step 5 and handed back to it on resume
     assert final["side_counter"] == 5 * 7
     assert sd["side_files/side_state.json"] == '{"counter": 84}'
-    # the side directory is gone; what remains of that name are the links to committed steps
-    links = [d for d in os.listdir(runs.path("resumed")) if d.startswith("checkpoint-")]
-    assert links and all(os.readlink(runs.path("resumed", d)) == f"step-{int(d[11:]):010d}"
-                         for d in links)
+    # checkpoint-N are the commits themselves (Trainer's names), holding the subclass's file and
+    # Trainer's trainer_state.json as files of the checkpoint (verify checks them)
+    names = [d for d in os.listdir(runs.path("resumed")) if d.startswith("checkpoint-")]
+    assert names and all(os.path.isdir(runs.path("resumed", d)) and not os.path.islink(runs.path("resumed", d))
+                         for d in names)
+    with open(runs.path("resumed", "checkpoint-12", "side_state.json")) as f:
+        assert f.read() == '{"counter": 84}'
+    with open(runs.path("resumed", "checkpoint-12", "trainer_state.json")) as f:
+        ts = json.load(f)
+    assert ts["global_step"] == 12 and ts["log_history"] and ts["log_history"][-1]["step"] == 12
+    assert safeckpt.verify(runs.path("resumed", "checkpoint-12")).ok
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(runs.path("resumed")) == runs.path("resumed", "checkpoint-12")
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
@@ -208,7 +218,7 @@ def test_trainer_sigkill_during_save_leaves_previous_checkpoint(runs: Runs) -> N
     assert rc != 0 and "SIGKILL" in out
     assert runs.result("sft_resume")["global_step"] == 6  # the job before it in that launch
     ac = runs.after_crash
-    assert "step-0000000008" not in ac["listing"] and ac["committed"] == [4, 5] and ac["verify5"]
+    assert "checkpoint-8" not in ac["listing"] and ac["committed"] == [4, 5] and ac["verify5"]
     crash = json.load(open(runs.path("ddp_crash.result.json")))
     assert not crash["ok"] and crash["type"] == "RankFailure" and "rank(s) 1" in crash["msg"]
     # resume=True then picked step 5, the newest committed one (and finished bit-exact, above)
@@ -225,10 +235,10 @@ def test_trainer_retention_and_best_model(runs: Runs) -> None:
     assert best != 12, "the test needs a best checkpoint that is not the newest"
     root = runs.path("straight")
     # As Trainer's rotate_checkpoints: save_total_limit=2 keeps the newest and the best (step 8
-    # or 4 was deleted); best_model_checkpoint is Trainer's name, a link to step-N.
+    # or 4 was deleted); best_model_checkpoint is Trainer's name, the commit itself.
     assert committed(root) == sorted({best, 12})
     assert straight["best_model_checkpoint"] == os.path.join(root, f"checkpoint-{best}")
-    assert os.path.realpath(straight["best_model_checkpoint"]) == os.path.join(root, f"step-{best:010d}")
+    assert os.path.realpath(straight["best_model_checkpoint"]) == os.path.join(root, f"checkpoint-{best}")
     # load_best_model_at_end loaded the best checkpoint's weights
     from safetensors.torch import load_file
 
@@ -253,14 +263,14 @@ def test_sft_fsdp2_shards_saved_unGathered_and_resume_bit_exact(runs: Runs) -> N
     straight, resumed = runs.result("sft_straight"), runs.result("sft_resume")
     assert straight["global_step"] == resumed["global_step"] == 6
     assert len(straight["sharded"]) >= 19  # parameters are DTensors (FSDP2)
-    ckpt = runs.path("sft_straight", "step-0000000006")
+    ckpt = runs.path("sft_straight", "checkpoint-6")
     with open(os.path.join(ckpt, "manifest.json")) as f:
         man = json.load(f)
     model_keys = [k for k in man["tensors"] if k.startswith("model/")]
     assert model_keys and all(man["tensors"][k]["scope"] == "sharded" for k in model_keys)
     w = man["tensors"]["model/model.layers.0.mlp.up_proj.weight"]
     assert sorted(c["file"] for c in w["chunks"]) == ["rank-00000.safetensors", "rank-00001.safetensors"]
-    assert_same_checkpoint(ckpt, runs.path("sft_resumed", "step-0000000006"),
+    assert_same_checkpoint(ckpt, runs.path("sft_resumed", "checkpoint-6"),
                            ignore=("trainer_state/log_history",))
     ref, got = losses(runs.path("sft_straight", "losses.jsonl")), losses(runs.path("sft_resumed", "losses.jsonl"))
     assert sorted(got) == [4, 5, 6] and all(got[s] == ref[s] for s in got)

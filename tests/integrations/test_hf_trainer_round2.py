@@ -6,6 +6,7 @@ the same arguments; resume falls back past a checkpoint damaged anywhere.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -139,6 +140,9 @@ def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path
     t.train()
     last = get_last_checkpoint(out)  # what HF example scripts call to auto-resume
     assert last is not None and os.path.basename(last) == "checkpoint-4"
+    assert os.path.isdir(last) and not os.path.islink(last)  # the commit itself, Trainer's name
+    with open(os.path.join(last, "trainer_state.json")) as f:  # Trainer's file, inside the commit
+        assert json.load(f)["global_step"] == 4
     assert safeckpt.verify(last, deep=True).ok
     _flip_model_byte(os.path.realpath(last))
     assert not safeckpt.verify(last, deep=True).ok

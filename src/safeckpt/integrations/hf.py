@@ -7,7 +7,7 @@ One line per training script::
     trainer.train(resume_from_checkpoint=True)                        # newest valid checkpoint
 
 Each save is one collective, atomic safeckpt commit under ``args.output_dir`` (directories
-``step-NNNNNNNNNN``) holding the model (DDP replicas written once, FSDP2 shards as DTensors, never
+``checkpoint-N``, Trainer's names, with Trainer's ``trainer_state.json`` inside) holding the model (DDP replicas written once, FSDP2 shards as DTensors, never
 gathered), optimizer, LR scheduler, grad scaler, every rank's RNG, the TrainerState and the
 seedable sampler's state. Retention (``save_total_limit``, the best checkpoint by
 ``metric_for_best_model``) runs only after the commit. A SIGTERM on any rank makes every rank
@@ -18,8 +18,8 @@ How it hooks in (Trainer has no backend slot; see INTEGRATIONS.md): ``with_safec
 :class:`SafeckptTrainerMixin` directly above ``Trainer`` in the MRO, so a subclass such as TRL's
 SFTTrainer still runs its own ``_save_checkpoint`` additions, and the outermost
 ``_save_checkpoint`` commits once they are done. Files a subclass writes into
-``output_dir/checkpoint-N`` during a save (TRL's GRPO writes one) are taken into the commit and
-handed back on resume in a private directory. The mixin replaces Trainer's checkpoint writing
+``output_dir/checkpoint-N`` during a save (TRL's GRPO writes one) are taken into the commit, as
+files of the committed ``checkpoint-N``, where the subclass finds them on resume. The mixin replaces Trainer's checkpoint writing
 and reading (``_save_checkpoint``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
 ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``); everything else is Trainer's.
 """
@@ -41,7 +41,6 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
 from .. import CheckpointManager, RNGState
-from .._catalog import parse_step, step_dirname
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -53,10 +52,11 @@ from . import _hf_common as common
 
 T = TypeVar("T", bound=type)
 
-STATE_FILE = "trainer_state.json"  # materialised for Trainer.train(), which reads it itself
+STATE_FILE = "trainer_state.json"  # committed inside each checkpoint, as Trainer writes it
 SIDE_PREFIX = "checkpoint-"        # where Trainer subclasses put their own files during a save
 MAX_SIDE_BYTES = 16 << 20
 FORMAT = "safeckpt.hf.trainer/1"
+_EXTRA_OK = re.compile(r"^(?!rank-)(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 class _Hooks:
@@ -211,12 +211,14 @@ class SafeckptTrainerMixin(Trainer):
                 best_mode="max" if a.greater_is_better else "min",
                 timeout=self.safeckpt_timeout,
                 frozen=self.safeckpt_frozen,
+                dirname=common.TRAINER_DIRNAME,
             )
+            self._safeckpt_drop_legacy_links()
         return self._safeckpt_mgr
 
     def _safeckpt_link(self, step: int) -> str:
-        """``root/checkpoint-N``: Trainer's name for step N (a link to safeckpt's step dir)."""
-        return os.path.join(self.safeckpt_root_dir, f"{SIDE_PREFIX}{step}")
+        """``root/checkpoint-N``: where step N is committed (Trainer's name)."""
+        return common.step_dir(self.safeckpt_root_dir, step, common.TRAINER_DIRNAME)
 
     def _safeckpt_best_step(self) -> int | None:
         path = self.state.best_model_checkpoint
@@ -225,25 +227,19 @@ class SafeckptTrainerMixin(Trainer):
         m = re.search(r"(?:checkpoint-|step-)(\d+)$", os.path.basename(os.path.normpath(path)))
         return int(m.group(1)) if m else None
 
-    def _safeckpt_publish_links(self) -> None:
-        """Rank 0: ``checkpoint-N`` -> ``step-N`` for every committed step (what
-        ``transformers.trainer_utils.get_last_checkpoint`` and scripts look for); links whose
-        checkpoint retention removed go too. Real directories of that name are left alone."""
+    def _safeckpt_drop_legacy_links(self) -> None:
+        """Rank 0: remove ``checkpoint-N -> step-N`` links an earlier version of this integration
+        made (its commits were ``step-N``; they stay restorable under their own names)."""
         root = self.safeckpt_root_dir
 
-        def publish() -> None:
-            steps = {s for s in (parse_step(n) for n in os.listdir(root)) if s is not None}
-            for name in os.listdir(root):
+        def drop() -> None:
+            for name in os.listdir(root) if os.path.isdir(root) else ():
                 link = os.path.join(root, name)
-                m = re.fullmatch(r"checkpoint-(\d+)", name)
-                if m and os.path.islink(link) and int(m.group(1)) not in steps:
+                if (re.fullmatch(r"checkpoint-\d+", name) and os.path.islink(link)
+                        and re.fullmatch(r"step-\d{10,}", os.readlink(link))):
                     os.unlink(link)
-            for step in steps:
-                link = self._safeckpt_link(step)
-                if not os.path.lexists(link):
-                    os.symlink(step_dirname(step), link)
 
-        common.share_from_rank0(publish)
+        common.share_from_rank0(drop)
 
     def _safeckpt_metric(self) -> str | None:
         m = self.args.metric_for_best_model
@@ -276,7 +272,6 @@ class SafeckptTrainerMixin(Trainer):
                     self._safeckpt_mgr.retain()
                 finally:
                     self._safeckpt_rotation.final = False
-                self._safeckpt_publish_links()
             return out
         finally:
             if tmp is not None:
@@ -301,11 +296,12 @@ class SafeckptTrainerMixin(Trainer):
                     "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
                     path=self.safeckpt_root_dir,
                 )
-            path = common.step_dir(self.safeckpt_root_dir, step)
-            if not os.path.isdir(path):  # the manager's naming changed: fail loudly
-                raise CheckpointError(f"restored step {step} but {path} does not exist")
+            path = self._safeckpt_committed_dir(step)
+            if path is None:  # deleted since the pick: fail loudly
+                raise CheckpointError(f"restored step {step} but no directory of it exists under "
+                                      f"{self.safeckpt_root_dir}")
         else:
-            path = os.path.realpath(os.fspath(resume))  # checkpoint-N links to step-N
+            path = os.path.realpath(os.fspath(resume))  # links of earlier versions: to step-N
             try:
                 common.load_entries(path, head, timeout=self.safeckpt_timeout, where="resume")
             except CheckpointNotFound as exc:
@@ -335,6 +331,19 @@ class SafeckptTrainerMixin(Trainer):
         TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
         self._safeckpt_resume = {"dir": tmp, "path": path}
         return tmp
+
+    def _safeckpt_committed_dir(self, step: int) -> str | None:
+        """Rank 0's answer for all: ``checkpoint-N`` or (written by earlier versions) ``step-N``."""
+        names = (common.TRAINER_DIRNAME, None)
+
+        def find() -> str | None:
+            for d in names:
+                p = common.step_dir(self.safeckpt_root_dir, step, d)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    return p
+            return None
+
+        return common.share_from_rank0(find)
 
     def _safeckpt_ours(self, checkpoint: str | None) -> bool:
         r = self._safeckpt_resume
@@ -473,7 +482,7 @@ class SafeckptTrainerMixin(Trainer):
         self.store_flos()  # all-gather: every rank, as Trainer does
         step = self.state.global_step
         root = self.safeckpt_root_dir
-        path = common.step_dir(root, step)
+        path = common.step_dir(root, step, common.TRAINER_DIRNAME)
         metric_name = self._safeckpt_metric()
         metric = self._safeckpt_eval_metric(metric_name, step)
         metrics = {metric_name: metric} if metric is not None else {}
@@ -483,19 +492,27 @@ class SafeckptTrainerMixin(Trainer):
         best = self.state.best_global_step
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best:
             if best == step or common.share_from_rank0(
-                    lambda: os.path.isdir(common.step_dir(root, best))):
+                    lambda: any(os.path.isdir(common.step_dir(root, best, d))
+                                for d in (common.TRAINER_DIRNAME, None))):
                 self.state.best_model_checkpoint = self._safeckpt_link(best)
         self._safeckpt_export_callbacks()
         state = self._safeckpt_state()
-        state["side_files"] = self._safeckpt_side_files()
+        try:
+            state["side_files"] = self._safeckpt_side_files()
+        finally:
+            # The subclass's scratch directory is where the commit goes (checkpoint-N): gone
+            # first; its files are committed inside the checkpoint below.
+            self._safeckpt_side_end()
         state["safeckpt"] = {"format": FORMAT, "save_only_model": bool(self.args.save_only_model),
                              "trainer_class": type(self).__name__}
+        # Trainer's own trainer_state.json (same bytes as TrainerState.save_to_json) and the
+        # subclass's files, as files of the commit: log and dashboard tools read them there.
+        extra = {name: text.encode("utf-8") for name, text in state["side_files"].items()
+                 if _EXTRA_OK.match(name) and name != STATE_FILE}
+        extra[STATE_FILE] = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
+                             + "\n").encode("utf-8")
         mgr = self._safeckpt_manager()
-        try:
-            info = mgr.save(step, state, metrics=metrics)
-        finally:
-            self._safeckpt_side_end()
-        self._safeckpt_publish_links()
+        info = mgr.save(step, state, metrics=metrics, extra_files=extra)
         if info is not None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
 

@@ -41,7 +41,7 @@ def phases(base: str) -> dict[str, list[tuple[str, object]]]:
         ],
         "crash": [
             ("sft_resume", lambda: tj.sft_fsdp2_job(
-                base, p("sft_resumed"), resume=os.path.join(p("sft_straight"), "step-0000000003"))),
+                base, p("sft_resumed"), resume=os.path.join(p("sft_straight"), "checkpoint-3"))),
             ("ddp_crash", lambda: tj.ddp_job(p("resumed"), resume=True, kill_save_at=8)),
         ],
         "final": [

@@ -135,7 +135,7 @@ def _kill_rank1_during_save(step: int, marker: str) -> None:
     if dist.get_rank() != 1:
         return
     real_fsync = os.fsync
-    tag = f".step-{step:010d}.safeckpt-staging-"
+    tag = f".checkpoint-{step}.safeckpt-staging-"
 
     def fsync(fd: int) -> None:
         try:
