@@ -88,7 +88,7 @@ def parse_index(raw: bytes, where: str, ckpt: str, expect_digest: str) -> dict[s
         return CorruptCheckpoint(f"{where}: {msg}", path=ckpt)
 
     if xxhash.xxh3_64_hexdigest(raw) != expect_digest:
-        raise bad("the file's index does not match its checksum in the manifest (corrupt data)")
+        raise bad("checksum mismatch in the file's index (corrupt data)")
     try:
         idx = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._fileindex import MAX_INDEX, parse_index
+from ._manifest import safe_file_path
 from ._sharding import Box, Mesh, overlapping, writes
 from ._validate import _Bad, check_manifest, check_tree
 from .errors import CorruptCheckpoint
@@ -117,14 +118,12 @@ class Layout:
         """The index of file ``name``, read once, checked against its checksum and the manifest."""
         if name in self.indexes:
             return self.indexes[name]
-        from ._reader import open_data_file
-
         rec = self.man["files"][name]
         start, end, digest = rec["index"]
         where = f"{self.ckpt}/{name}"
         if end - start > MAX_INDEX:
             raise CorruptCheckpoint(f"{where}: an index of {end - start} bytes (at most {MAX_INDEX})", path=self.ckpt)
-        f = open_data_file(self.ckpt, name, int(rec["size"]), self.store)
+        f = self.store.open(safe_file_path(self.ckpt, name), int(rec["size"]), self.ckpt)
         try:
             raw = bytes(f.read(start, end))
         finally:

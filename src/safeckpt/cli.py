@@ -72,8 +72,9 @@ from ._cli_paths import (
     root_arg,
     save_target,
 )
+from ._format3 import FORMAT_V3, Layout
 from ._lock import break_lease, holder_is_live, read_lock, writer_lease
-from ._manifest import MANIFEST
+from ._manifest import MANIFEST, dtype_size
 from ._offline import VerifyReport, verify
 from ._reader import open_manifest
 from ._storage import default_options, is_remote, join, parse_options, storage_for
@@ -206,14 +207,23 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
 
 def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
     ckpt = checkpoint_arg(args.ckpt)
-    man = open_manifest(ckpt)
+    man = open_manifest(ckpt, full=False)  # the manifest alone: format 3's indexes are not read
+    layout = Layout(man, ckpt, None, dtype_size) if man.get("format_version") == FORMAT_V3 else None
     order = _tensor_order(man)
     tensors = []
     for key in order:
         rec = man["tensors"][key]
+        if layout is None:
+            chunks = len(rec["chunks"])
+        elif "alias_of" in rec:
+            chunks = 0
+        elif rec.get("scope") == "per_rank":
+            chunks = int(man["world_size"])
+        else:
+            chunks = len(list(layout.holders(key, None, 0)))
         tensors.append({
             "key": key, "dtype": rec["dtype"], "shape": list(rec["shape"]), "nbytes": _tensor_nbytes(rec),
-            "scope": rec.get("scope", "replicated"), "chunks": len(rec["chunks"]),
+            "scope": rec.get("scope", "replicated"), "chunks": chunks,
         })
     objects = {}
     for name, obj in man["objects"].items():
@@ -266,7 +276,7 @@ def cmd_inspect(args: argparse.Namespace, ui: UI) -> int:
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
     ckpt = checkpoint_arg(args.ckpt)
     try:
-        man = open_manifest(ckpt)
+        man = open_manifest(ckpt, full=False)
         total = _checkpoint_files_size(man) if args.deep else 0
     except CorruptCheckpoint:
         total = 0  # an unreadable manifest: verify reports it
@@ -404,7 +414,7 @@ def _selected_nbytes(ckpt: str, only: str | None) -> int:
     """Tensor bytes that consolidate/export will write (raises early when ``only`` matches nothing)."""
     from ._convert import _select
 
-    man = open_manifest(ckpt)
+    man = open_manifest(ckpt, full=False)
     tensors, _ = _select(man, only)
     return sum(_tensor_nbytes(man["tensors"][key]) for _, key in tensors)
 
