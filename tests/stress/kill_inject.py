@@ -3,11 +3,26 @@
 Every kill is real: the victim process ends with SIGKILL or ``os._exit`` at the chosen point,
 from whichever thread reaches it (async saves write and commit in a background thread). Just
 before dying it writes ``kill.json`` (wall time, point) so the parent can time the survivors.
+A third method, ``raise`` (retention points only), makes the step fail with an exception
+instead, to check the "committed; only retention failed" report of every rank.
 
-Kill points (``POINTS``) are named ``area/where``. Phase points wrap ``Coordinator.run``: die
-at the phase's entry (before its local work) or after the local work, before the exchange.
-The others patch the step they name (group creation, gloo's connect, a data-file write half
-done, publish, a retention delete, a tensor read, the async snapshot).
+Kill points (``POINTS``) are named ``area/where`` and follow the collective protocol: every
+collective step is a ``Coordinator.decide`` (each rank runs its local part; one gather to rank
+0; rank 0 alone resolves; one broadcast). Phase points wrap ``Coordinator.decide``:
+
+- ``<phase>`` (entry): die before the local part;
+- ``<phase>-after``: die after the local part, before the gather;
+- ``<phase>-resolve`` (rank 0 only): die when rank 0 starts resolving, every value gathered;
+- ``<phase>-decided`` (rank 0 only): die after rank 0 resolved, before the broadcast.
+
+The phases: ``pick`` and ``check`` (the start-up restore; the load's ``apply`` is local plus
+one all-reduce), ``agree`` and ``write`` (each managed save; rank 0 stages in agree's resolve
+and publishes and applies retention in write's resolve), ``retain`` (``mgr.retain()``). Other
+points patch the step they name inside a phase (rank 0's lease and sweep before staging, a data
+file half written, just before / after publish, retention's entry or first deletion, a chunk
+read while the load checks, the load's apply), safeckpt's group creation (before the first
+call, at the store rendezvous, entering ``new_group``, inside gloo's connect; ``async-setup``:
+the background group), the async snapshot, and the ``preempted`` all-reduce.
 """
 
 from __future__ import annotations
@@ -24,36 +39,84 @@ SEED_STEPS = 3  # steps 1..3 exist (keep all) before every trial's job starts
 SAVES = 3  # saves each job makes after its start-up restore
 BIG = 1 << 16  # floats in the replicated "big" tensor (256 KiB)
 
+ANY, R0 = False, True  # victim: any rank, or rank 0 only (the step runs on rank 0 alone)
+BOTH = ("sync", "async")
+
 # name -> (modes it applies to, victim must be rank 0, occurs once per save)
 POINTS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
-    "setup/before-first-call": (("sync", "async"), False, False),
-    "setup/rendezvous": (("sync", "async"), False, False),
-    "setup/new-group": (("sync", "async"), False, False),
-    "setup/connect": (("sync", "async"), False, False),
-    "async-setup/new-group": (("async",), False, False),
-    "async-setup/connect": (("async",), False, False),
-    "restore/pick": (("sync", "async"), False, False),
-    "restore/pick-after": (("sync", "async"), False, False),
-    "restore/open": (("sync", "async"), False, False),
-    "restore/plan": (("sync", "async"), False, False),
-    "restore/read": (("sync", "async"), False, False),
-    "restore/apply": (("sync", "async"), False, False),
-    "save/begin": (("sync", "async"), False, True),
-    "save/agree": (("sync", "async"), False, True),
-    "async/snapshot": (("async",), False, True),
-    "async/snapshot-after": (("async",), False, True),
-    "save/stage": (("sync", "async"), False, True),
-    "save/stage-after": (("sync", "async"), False, True),
-    "save/write": (("sync", "async"), False, True),
-    "save/write-mid-file": (("sync", "async"), False, True),
-    "save/write-after": (("sync", "async"), False, True),
-    "save/commit": (("sync", "async"), False, True),
-    "save/commit-before-publish": (("sync", "async"), True, True),
-    "save/commit-after-publish": (("sync", "async"), True, True),
-    "save/commit-after": (("sync", "async"), False, True),
-    "save/retain": (("sync", "async"), False, True),
-    "save/retain-mid": (("sync", "async"), True, True),
-    "save/retain-after": (("sync", "async"), False, True),
+    "setup/before-first-call": (BOTH, ANY, False),
+    "setup/rendezvous": (BOTH, ANY, False),
+    "setup/new-group": (BOTH, ANY, False),
+    "setup/connect": (BOTH, ANY, False),
+    "restore/pick": (BOTH, ANY, False),
+    "restore/pick-after": (BOTH, ANY, False),
+    "restore/pick-resolve": (BOTH, R0, False),
+    "restore/pick-decided": (BOTH, R0, False),
+    "restore/check": (BOTH, ANY, False),
+    "restore/check-read": (BOTH, ANY, False),
+    "restore/check-after": (BOTH, ANY, False),
+    "restore/check-decided": (BOTH, R0, False),
+    "restore/apply": (BOTH, ANY, False),
+    "restore/apply-mid": (BOTH, ANY, False),
+    "restore/apply-after": (BOTH, ANY, False),
+    "save/agree": (BOTH, ANY, True),
+    "save/agree-after": (BOTH, ANY, True),
+    "save/agree-resolve": (BOTH, R0, True),
+    "save/agree-sweep": (BOTH, R0, True),
+    "save/agree-staged": (BOTH, R0, True),
+    "async/snapshot": (("async",), ANY, True),
+    "async/snapshot-after": (("async",), ANY, True),
+    "async-setup/new-group": (("async",), ANY, False),
+    "async-setup/connect": (("async",), ANY, False),
+    "save/write": (BOTH, ANY, True),
+    "save/write-mid-file": (BOTH, ANY, True),
+    "save/write-after": (BOTH, ANY, True),
+    "save/write-resolve": (BOTH, R0, True),
+    "save/commit-before-publish": (BOTH, R0, True),
+    "save/commit-after-publish": (BOTH, R0, True),
+    "save/retain": (BOTH, R0, True),
+    "save/retain-mid": (BOTH, R0, True),
+    "save/write-decided": (BOTH, R0, True),
+    "retain/retain": (BOTH, ANY, False),
+    "retain/retain-after": (BOTH, ANY, False),
+    "retain/retain-resolve": (BOTH, R0, False),
+    "retain/retain-decided": (BOTH, R0, False),
+    "close/preempted": (BOTH, ANY, False),
+}
+# Points where method "raise" applies: the step raises (OSError) instead of the process dying.
+RAISE_POINTS = ("save/retain", "save/retain-mid")
+# Points after rank 0 published the killed save (the checkpoint must be on disk afterwards)
+AFTER_PUBLISH = ("save/commit-after-publish", "save/retain", "save/retain-mid", "save/write-decided")
+
+# Phase points: point -> (decide phase, when). "inside": the step patched below kills (or
+# raises) while the phase's local part or rank 0's resolve runs.
+PHASE_POINTS: dict[str, tuple[str, str]] = {
+    "restore/pick": ("pick", "entry"),
+    "restore/pick-after": ("pick", "after"),
+    "restore/pick-resolve": ("pick", "resolve"),
+    "restore/pick-decided": ("pick", "decided"),
+    "restore/check": ("check", "entry"),
+    "restore/check-read": ("check", "inside"),
+    "restore/check-after": ("check", "after"),
+    "restore/check-decided": ("check", "decided"),
+    "save/agree": ("agree", "entry"),
+    "save/agree-after": ("agree", "after"),
+    "save/agree-resolve": ("agree", "resolve"),
+    "save/agree-sweep": ("agree", "inside"),
+    "save/agree-staged": ("agree", "decided"),
+    "save/write": ("write", "entry"),
+    "save/write-mid-file": ("write", "inside"),
+    "save/write-after": ("write", "after"),
+    "save/write-resolve": ("write", "resolve"),
+    "save/commit-before-publish": ("write", "inside"),
+    "save/commit-after-publish": ("write", "inside"),
+    "save/retain": ("write", "inside"),
+    "save/retain-mid": ("write", "inside"),
+    "save/write-decided": ("write", "decided"),
+    "retain/retain": ("retain", "entry"),
+    "retain/retain-after": ("retain", "after"),
+    "retain/retain-resolve": ("retain", "resolve"),
+    "retain/retain-decided": ("retain", "decided"),
 }
 
 
@@ -127,15 +190,22 @@ class Killer:
         self.trial_dir = trial_dir
         self.root = os.path.realpath(root)
         self.phase_calls: dict[str, int] = {}
-        self.local = threading.local()  # which armed phase this thread is inside
+        # Set while the armed phase's local part or resolve runs. Process-wide, not per
+        # thread: a load reads and hashes chunks in worker threads. Nothing patched runs
+        # outside a phase at the same time (one save in flight; the next waits for it).
+        self.armed = False
+        self.call = 0  # which call of the patched phase (per save: which save) the kill hit
 
     def die(self) -> None:
         rec = {"t": time.time(), "point": self.point, "rank": self.rank, "method": self.method,
-               "thread": threading.current_thread().name}
+               "thread": threading.current_thread().name, "call": self.call}
         tmp = os.path.join(self.trial_dir, f"kill.json.tmp{os.getpid()}")
         with open(tmp, "w") as f:
             json.dump(rec, f)
         os.replace(tmp, os.path.join(self.trial_dir, "kill.json"))
+        if self.method == "raise":  # the step fails; the process goes on
+            self.armed = False
+            raise OSError(f"kill matrix: injected failure at {self.point}")
         if self.method == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(43)
@@ -150,59 +220,87 @@ class Killer:
         if area == "async":
             self._patch_snapshot(after=where == "snapshot-after")
             return
-        phase = {"pick-after": "pick", "write-mid-file": "write", "stage-after": "stage",
-                 "write-after": "write", "commit-after": "commit", "retain-after": "retain",
-                 "commit-before-publish": "commit", "commit-after-publish": "commit",
-                 "retain-mid": "retain", "read": "check"}.get(where, where)
-        self._patch_run(phase, "after" if where.endswith("-after") else "entry"
-                        if where in ("pick", "open", "plan", "apply", "begin", "agree", "stage",
-                                     "write", "commit", "retain") else "inside")
-        if where == "write-mid-file":
+        if self.point == "close/preempted":
+            self._patch_any_true("preempted")
+            return
+        if where.startswith("apply"):
+            self._patch_apply(where)
+            return
+        phase, when = PHASE_POINTS[self.point]
+        self._patch_decide(phase, when)
+        if where == "check-read":
+            self._patch_read()
+        elif where == "agree-sweep":
+            self._patch_sweep()
+        elif where == "write-mid-file":
             self._patch_file_writes()
         elif where in ("commit-before-publish", "commit-after-publish"):
             self._patch_publish(before=where == "commit-before-publish")
+        elif where == "retain":
+            self._patch_retention_entry()
         elif where == "retain-mid":
             self._patch_retention_delete()
-        elif where == "read":
-            self._patch_read()
 
     # -- phases
-    def _patch_run(self, phase: str, when: str) -> None:
+    def _patch_decide(self, phase: str, when: str) -> None:
         from safeckpt import _dist
 
-        real = _dist.Coordinator.run
+        real = _dist.Coordinator.decide
         killer = self
-        # restore phases happen once (the start-up restore); save phases once per save
+        # restore and retain phases happen once (the start-up restore, mgr.retain()); save
+        # phases once per save
         occurrence = self.occurrence if POINTS[self.point][2] else 1
 
-        def run(coord: Any, name: str, fn: Any, **kwargs: Any) -> list[Any]:
+        def decide(coord: Any, name: str, local: Any, resolve: Any, **kwargs: Any) -> Any:
             if name != phase:
-                return real(coord, name, fn, **kwargs)
+                return real(coord, name, local, resolve, **kwargs)
             n = killer.phase_calls[name] = killer.phase_calls.get(name, 0) + 1
+            killer.call = n
             # "inside" points stay armed after their occurrence: a retention with nothing to
             # delete (the restored step is protected) leaves the kill to the next save's
             if n < occurrence or (n > occurrence and when != "inside"):
-                return real(coord, name, fn, **kwargs)
+                return real(coord, name, local, resolve, **kwargs)
             if when == "entry":
                 killer.die()
             if when == "after":
-                def fn_then_die() -> Any:
-                    fn()
+                def local_then_die() -> Any:
+                    local()
                     killer.die()
-                return real(coord, name, fn_then_die, **kwargs)
+                return real(coord, name, local_then_die, resolve, **kwargs)
+            if when == "resolve":
+                def die_resolving(values: list[Any]) -> Any:
+                    killer.die()
+                return real(coord, name, local, die_resolving, **kwargs)
+            if when == "decided":
+                def resolve_then_die(values: list[Any]) -> Any:
+                    resolve(values)
+                    killer.die()
+                return real(coord, name, local, resolve_then_die, **kwargs)
 
-            def armed() -> Any:  # "inside": the step patched below kills while fn runs
-                killer.local.armed = True
-                try:
-                    return fn()
-                finally:
-                    killer.local.armed = False
-            return real(coord, name, armed, **kwargs)
+            def armed(fn: Any) -> Any:  # "inside": the step patched below kills while fn runs
+                def run(*args: Any) -> Any:
+                    killer.armed = True
+                    try:
+                        return fn(*args)
+                    finally:
+                        killer.armed = False
+                return run
+            return real(coord, name, armed(local), armed(resolve), **kwargs)
 
-        _dist.Coordinator.run = run  # type: ignore[method-assign]
+        _dist.Coordinator.decide = decide  # type: ignore[method-assign]
 
-    def _armed(self) -> bool:
-        return bool(getattr(self.local, "armed", False))
+    def _patch_any_true(self, phase: str) -> None:
+        from safeckpt import _dist
+
+        real = _dist.Coordinator.any_true
+        killer = self
+
+        def any_true(coord: Any, flag: bool, name: str = "flag") -> bool:
+            if name == phase:
+                killer.die()
+            return real(coord, flag, name)
+
+        _dist.Coordinator.any_true = any_true  # type: ignore[method-assign]
 
     # -- group creation
     def _patch_group_creation(self, nth: int, where: str) -> None:
@@ -288,7 +386,37 @@ class Killer:
         c10d.PrefixStore = DyingStore
 
     # -- steps inside phases
+    def _patch_read(self) -> None:
+        from safeckpt import _reader
+
+        killer = self
+        cls = _reader.TensorReader
+        name = "_compare"  # every chunk a load reads is checked against its checksum here
+        real = getattr(cls, name)
+
+        def compare(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if killer.armed:  # a chunk read and hashed while the load checks: die before comparing
+                killer.die()
+            return real(self, *args, **kwargs)
+
+        setattr(cls, name, compare)
+
+    def _patch_sweep(self) -> None:
+        import safeckpt.manager as manager_mod
+
+        killer = self
+        real = manager_mod.sweep
+
+        def sweep(*args: Any, **kwargs: Any) -> Any:
+            if killer.armed:  # rank 0 holds the writer lease, nothing staged yet
+                killer.die()
+            return real(*args, **kwargs)
+
+        manager_mod.sweep = sweep
+
     def _patch_file_writes(self) -> None:
+        from safeckpt._manifest import STAGING_MARK
+
         killer = self
         for name in ("write", "writev", "pwrite", "pwritev"):
             real = getattr(os, name, None)
@@ -296,7 +424,7 @@ class Killer:
                 continue
 
             def half_then_die(fd: int, data: Any, *rest: Any, _real: Any = real, _name: str = name) -> int:
-                if not killer._armed() or not killer._in_root(fd):
+                if not killer.armed or STAGING_MARK not in killer._fd_path(fd):
                     return _real(fd, data, *rest)
                 if _name.endswith("v"):
                     first = memoryview(data[0]).cast("B") if data else memoryview(b"")
@@ -309,31 +437,42 @@ class Killer:
 
             setattr(os, name, half_then_die)
 
-    def _in_root(self, fd: int) -> bool:
+    def _fd_path(self, fd: int) -> str:
+        """The file behind ``fd`` if it lies under the trial's root, else ''."""
         try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(self.root)
+            path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            return False
+            return ""
+        return path if path.startswith(self.root) else ""
 
     def _patch_publish(self, before: bool) -> None:
         import safeckpt._commit as commit_mod
-        import safeckpt._save as save_mod
 
         killer = self
-        for mod in (save_mod, commit_mod):
-            real = getattr(mod, "publish", None)
-            if real is None:
-                continue
+        real = commit_mod.publish
 
-            def publish(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                if not killer._armed():
-                    return _real(*args, **kwargs)
-                if before:
-                    killer.die()
-                _real(*args, **kwargs)
+        def publish(*args: Any, **kwargs: Any) -> Any:
+            if not killer.armed:
+                return real(*args, **kwargs)
+            if before:
                 killer.die()
+            real(*args, **kwargs)
+            killer.die()
 
-            mod.publish = publish
+        commit_mod.publish = publish
+
+    def _patch_retention_entry(self) -> None:
+        import safeckpt.manager as manager_mod
+
+        killer = self
+        real = manager_mod.CheckpointManager._retain
+
+        def retain(mgr: Any, *args: Any, **kwargs: Any) -> Any:
+            if killer.armed:  # the checkpoint is published; retention has not deleted anything
+                killer.die()
+            return real(mgr, *args, **kwargs)
+
+        manager_mod.CheckpointManager._retain = retain  # type: ignore[method-assign]
 
     def _patch_retention_delete(self) -> None:
         import safeckpt.manager as manager_mod
@@ -343,28 +482,42 @@ class Killer:
 
         def remove_entry(*args: Any, **kwargs: Any) -> Any:
             out = real(*args, **kwargs)
-            if killer._armed():
+            if killer.armed:
                 killer.die()
             return out
 
         manager_mod.remove_entry = remove_entry
 
-    def _patch_read(self) -> None:
-        from safeckpt import _reader
+    def _patch_apply(self, where: str) -> None:
+        """``apply``: entry of the load's apply step (every rank's check passed);
+        ``apply-mid``: stateful objects loaded, before the in-place copies; ``apply-after``:
+        applied, before the all-reduce that tells whether every rank applied."""
+        from safeckpt import _load, _reader
 
         killer = self
-        cls = _reader.TensorReader
-        name = "_compare"  # every chunk a load reads is checked against its checksum here
-        real = getattr(cls, name)
-        reads = [0]
+        real = _load._LoadJob.apply
 
-        def read(self: Any, *args: Any, **kwargs: Any) -> Any:
-            reads[0] += 1
-            if reads[0] >= 2:  # one chunk read and verified, die having read the next
+        def apply(job: Any) -> Any:
+            if where == "apply":
                 killer.die()
-            return real(self, *args, **kwargs)
+            killer.armed = where == "apply-mid"
+            try:
+                real(job)
+            finally:
+                killer.armed = False
+            if where == "apply-after":
+                killer.die()
 
-        setattr(cls, name, read)  # reads happen only in the start-up restore
+        _load._LoadJob.apply = apply  # type: ignore[method-assign]
+        if where == "apply-mid":
+            real_fill = _reader.TensorReader.fill_many
+
+            def fill_many(reader: Any, *args: Any, **kwargs: Any) -> Any:
+                if killer.armed:
+                    killer.die()
+                return real_fill(reader, *args, **kwargs)
+
+            _reader.TensorReader.fill_many = fill_many  # type: ignore[method-assign]
 
     def _patch_snapshot(self, after: bool) -> None:
         from safeckpt import _save
@@ -375,6 +528,7 @@ class Killer:
 
         def snapshot(job: Any, *args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
+            killer.call = calls[0]
             if calls[0] != killer.occurrence:
                 return real(job, *args, **kwargs)
             if not after:
@@ -439,10 +593,12 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
             elif i:  # an async save() first waits for the previous one, raising its error
                 _committed(trial_dir, rank, s - 1)
         out["where"] = "preempted"
-        _ = mgr.preempted  # one more collective: a peer lost after the last save shows here
+        _ = mgr.preempted  # an all-reduce while an async save is still in flight
+        out["where"] = "retain"
+        mgr.retain()  # waits for an async save first (raising its error), then "retain"
+        _committed(trial_dir, rank, start + count)
         out["where"] = "close"
         mgr.close()
-        _committed(trial_dir, rank, start + count)
         out["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out.update(t_err=time.time(), type=type(exc).__name__,

@@ -5,22 +5,31 @@ Reproduce the README's table (>= 300 trials; roughly 5-15 s per trial on 2 busy 
     .venv/bin/python -m tests.stress.kill_matrix --trials 300 --seed 1 --out kill-matrix-table.md
 
 Each trial (drawn from the seed and its index, so ``--only 17,42`` reruns single trials):
-a job of 2-4 gloo ranks (fresh processes) starts on a root holding steps 1-3, restores the
-newest, and saves three more steps through ``CheckpointManager`` (sync or async, keep_last 1
-or 2, so retention deletes); one rank (any, rank 0 included) is killed (SIGKILL or
+a job of 2-4 gloo ranks (``--worlds``: any sizes, e.g. 8,16) starts on a root holding steps
+1-3, restores the newest, saves three more steps through ``CheckpointManager`` (sync or
+async, keep_last 1 or 2, so retention deletes), checks ``preempted`` and calls ``retain()``;
+one rank (any, rank 0 included; rank 0 for the steps only it runs) is killed (SIGKILL or
 ``os._exit``) at one point of ``kill_inject.POINTS``: safeckpt's group creation (before the
-first call, at the store rendezvous, in ``new_group``, inside gloo's connect), the start-up
-restore (pick, open, plan, a tensor read, apply), any save phase (entry or after its local
-work), half-way through a data file, just before or after publish, half-way through
-retention, the async snapshot and the background group. Then:
+first call, at the store rendezvous, in ``new_group``, inside gloo's connect), each
+``Coordinator.decide`` of the protocol (restore's pick and check, each save's agree and
+write, retain) at the entry of its local part, after it (before the gather), in rank 0's
+resolve (at its start; rank 0's lease and sweep before staging; just before or after publish;
+retention's start and first deletion) and after rank 0 resolved (before the broadcast); half
+a data file written; a chunk read while the load checks; the load's apply (entry, half-way,
+before its all-reduce); the async snapshot and the background group; the ``preempted``
+all-reduce. At the retention points a third method, ``raise``, makes retention fail instead.
+Then:
 
 - hangs: every survivor must end within ``timeout + slack`` of the kill;
 - survivors must raise a ``CheckpointError`` (RankFailure here), naming the killed rank or
-  nobody, never another; time from the kill to each survivor's error is recorded;
+  nobody, never another; time from the kill to each survivor's error is recorded; none may
+  say "not published" for a checkpoint rank 0 published (unless it says the outcome is
+  unknown); after a failed retention (``raise``) every rank says the checkpoint is committed
+  and only retention failed;
 - on disk: every visible entry is a checkpoint that verifies deep and holds exactly its
   step's values (no partial checkpoint); hidden leftovers only under staging/trash names;
   nothing known committed is lost (the newest valid step is at least the newest step any
-  rank saw committed);
+  rank saw committed); a checkpoint rank 0 published before it died is there;
 - a fresh restart of the job (same world size) restores the newest valid step bit-exactly
   (tensors, per-rank RNG) and saves one more.
 
@@ -44,10 +53,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tests.stress import kill_inject
-from tests.stress.kill_inject import POINTS, SAVES, SEED_STEPS
+from tests.stress.kill_inject import AFTER_PUBLISH, POINTS, RAISE_POINTS, SAVES, SEED_STEPS
 
 RUN_BUDGET = 180.0  # seconds a job may take before its kill (or in total, without one)
 MISLEADING = ("No checkpoint was published", "Nothing was written")
+RETENTION_ONLY = "is committed; only retention failed"
 UNKNOWN = "is unknown here"  # the honest answer when the coordinator's outcome cannot be learnt
 
 
@@ -69,9 +79,10 @@ def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3,
     point = rng.choice(names)
     world = rng.choice(list(worlds))
     victim = 0 if POINTS[point][1] else rng.randrange(world)
+    methods = ["sigkill", "exit"] + (["raise"] if point in RAISE_POINTS else [])
     return {
         "trial": index, "seed": seed, "world": world, "mode": mode, "point": point,
-        "victim": victim, "method": rng.choice(["sigkill", "exit"]),
+        "victim": victim, "method": rng.choice(methods),
         "occurrence": rng.randint(1, SAVES - 1), "store_ops": rng.randint(1, 3),
         "keep_last": rng.choice([1, 2]), "timeout": timeout, "store_timeout": 60.0,
     }
@@ -209,12 +220,18 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[int, str], workdir: st
         problems.append(f"wrong values: {disk['wrong']}")
     if disk["odd_hidden"]:
         problems.append(f"unexpected hidden entries: {disk['odd_hidden']}")
-    killed_step = SEED_STEPS + spec["occurrence"] if POINTS[spec["point"]][2] else None
+    per_save = POINTS[spec["point"]][2]
+    killed_step = SEED_STEPS + (kill.get("call") or spec["occurrence"]) if per_save and kill else None
+    res["killed_step"] = killed_step
     published = killed_step is not None and killed_step in disk["valid"]
+    raised = spec["method"] == "raise"
+    if killed_step is not None and (spec["point"] in AFTER_PUBLISH or raised) and not published:
+        res["lost"] = True
+        problems.append(f"lost: rank 0 published step {killed_step} before the kill, but it is not a valid checkpoint")
 
     res["survivors"] = {}
     for r in range(spec["world"]):
-        if r == spec["victim"]:
+        if r == spec["victim"] and not raised:  # a "raise" victim lives on: it must report too
             continue
         out = crash["outs"].get(r)
         if out is None:
@@ -238,6 +255,11 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[int, str], workdir: st
             info["wrong_blame"] = True
             problems.append(f"rank {r}: blamed ranks {blamed}, killed was {spec['victim']}: {out['msg'][:300]}")
         info["unknown"] = UNKNOWN in out["msg"]
+        if raised and kill is not None:
+            info["retention_only"] = RETENTION_ONLY in out["msg"]
+            if not info["retention_only"]:
+                problems.append(f"rank {r}: retention failed after publish, but the error does not say "
+                                f"{RETENTION_ONLY!r}: {out['msg'][:300]}")
         if published and any(m in out["msg"] for m in MISLEADING) and not info["unknown"]:
             info["misleading"] = True
             problems.append(f"rank {r}: says nothing was published, but step {killed_step} was: {out['msg'][:300]}")
@@ -342,6 +364,9 @@ def summarize(results: list[dict[str, Any]], *, seed: int, timeout: float, slack
         "modes": dict(sorted(count(r["spec"]["mode"] for r in results).items())),
         "methods": dict(sorted(count(r["spec"]["method"] for r in results).items())),
         "victim_rank0": sum(r["spec"]["victim"] == 0 for r in results),
+        "points": len(by_point),
+        "retention_only": sum(bool(s.get("retention_only")) for s in survivors),
+        "raise_reports": sum("retention_only" in s for s in survivors),
         "lost": sum(r["lost"] for r in results),
         "partial": sum(bool(r["disk"]["partial"]) for r in results),
         "wrong_values": sum(bool(r["disk"]["wrong"]) for r in results),
@@ -373,8 +398,10 @@ def table_markdown(s: dict[str, Any], command: str) -> str:
         ("trials (one rank killed in each)", s["trials"]),
         ("world sizes", fmt(s["worlds"])),
         ("saves", fmt(s["modes"])),
-        ("kill method", fmt({"SIGKILL": s["methods"].get("sigkill", 0), "os._exit": s["methods"].get("exit", 0)})),
-        ("killed rank was rank 0 (hosts the store)", s["victim_rank0"]),
+        ("kill method", fmt({"SIGKILL": s["methods"].get("sigkill", 0), "os._exit": s["methods"].get("exit", 0),
+                             "retention raises (rank 0)": s["methods"].get("raise", 0)})),
+        ("kill points drawn", s["points"]),
+        ("killed rank was rank 0 (hosts the store; resolves every decide)", s["victim_rank0"]),
         ("**checkpoints lost**", s["lost"]),
         ("**partial checkpoints visible**", s["partial"]),
         ("**wrong values** (visible checkpoint or restore)", s["wrong_values"]),
@@ -386,6 +413,7 @@ def table_markdown(s: dict[str, Any], command: str) -> str:
         ("errors naming no rank (cause unknown to that rank)", s["unnamed"]),
         ('errors saying "not published" for a published checkpoint', s["misleading"]),
         ("errors saying whether rank 0 published is unknown (it was gone)", s["outcome_unknown"]),
+        (f'failed retention: errors saying "{RETENTION_ONLY}"', f"{s['retention_only']} of {s['raise_reports']}"),
         ("restarts not restoring the newest valid checkpoint bit-exactly", s["restart_failed"]),
         ("unexpected hidden entries in the root", s["odd_hidden"]),
         (f"max time from kill to a survivor's error (timeout {s['timeout']:g} s)", f"{s['max_tte']:.1f} s"),
@@ -431,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     command = f".venv/bin/python -m tests.stress.kill_matrix --trials {args.trials} --seed {args.seed}"
+    if args.worlds != "2,3,4":
+        command += f" --worlds {args.worlds}"
     if args.timeout != 10.0:
         command += f" --timeout {args.timeout:g}"
     table = table_markdown(summary, command)
