@@ -6,8 +6,16 @@ and some value changes later). Mutants damage only the newer one, so ``restore``
 fall back to A (whose values differ from B, so a wrong fallback is visible).
 
 - ``single``: saved by ``safeckpt.save`` in this process.
-- ``ddp``: saved by 2 gloo ranks with a DDP-wrapped model (per-rank RNG, replicated chunks
-  spread across two data files); loaded here by one process into the plain layout.
+- ``ddp``: saved by 2 gloo ranks with a DDP-wrapped model (per-rank RNG, per-rank object trees
+  in rank 1's index); loaded here by one process into the plain layout.
+- ``fsdp``: saved by 2 gloo ranks through ``CheckpointManager.save`` with DTensors (a 1-d mesh
+  and a 2-d one listing its ranks out of order: ``sharding``; explicit ``boxes`` come from
+  consistent forged rewrites), replicated tensors cut into row ``pieces`` over both ranks (the
+  plan's minimum piece lowered for the base) and two extra files; loaded here by one process
+  into plain tensors.
+
+Every base is also fuzzed in format 2 (``NAME.f2``: both checkpoints rewritten by
+``tests.manifest_checks.as_format2``, chunks listed in the manifest), which readers keep reading.
 
 The state covers what users checkpoint: a module with several layers and buffers (an int64
 0-d counter), AdamW after a step, an LR scheduler, ``RNGState``, a plain tensor, and a tree of
@@ -31,13 +39,16 @@ from torch import nn
 import safeckpt
 
 MANIFEST = "manifest.json"
-BASES_VERSION = 2  # bump when build_state changes: stored bases of another layout are rebuilt
+BASES_VERSION = 3  # bump when build_state changes: stored bases of another layout are rebuilt
 STEP_A = "step-0000000001"
 STEP_B = "step-0000000002"
 
 
-def build_state(seed: int, *, steps: int = 1, rank: int = 0, ddp: bool = False) -> dict[str, Any]:
-    """A full training-like state; ``seed`` sets every value, ``steps`` the optimizer steps."""
+def build_state(seed: int, *, steps: int = 1, rank: int = 0, ddp: bool = False, sharded: bool = False
+                ) -> dict[str, Any]:
+    """A full training-like state; ``seed`` sets every value, ``steps`` the optimizer steps.
+    ``sharded``: an entry ``sh`` of 2-d tensors (DTensors when a 2-rank group is up, else plain
+    full tensors: the single-process load target of the ``fsdp`` base)."""
     torch.manual_seed(seed)
     model: nn.Module = nn.Sequential(
         nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
@@ -70,13 +81,43 @@ def build_state(seed: int, *, steps: int = 1, rank: int = 0, ddp: bool = False) 
             "tied": [shared, shared],  # stored once: the second is an alias (alias_of)
         },
     }
+    if sharded:
+        state["sh"] = _sharded_entry(seed)
     # Per-rank RNG streams (the RNG state is per-rank state); plain tensors above stay replicated.
     torch.manual_seed(seed * 1000 + rank)
     random.seed(seed * 1000 + rank)
     np.random.seed(seed * 1000 + rank)
     for _ in range(steps):
-        train_step(state, rank)
+        train_step(state, 0 if sharded else rank)  # sharded: the replicated model equal on every rank
     return state
+
+
+SHARDED_SHAPES = {"rule": (6, 4), "mesh2d": (3, 5), "rows": (400, 3)}
+
+
+def _sharded_entry(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed * 31)
+    full = {k: torch.randn(*shape, generator=g) for k, shape in SHARDED_SHAPES.items()}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return full
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def shard(t: torch.Tensor, mesh: Any, placements: list[Any], dim: int) -> Any:
+        # from_local with this rank's torch.chunk piece (distribute_tensor scatters wrongly on a
+        # mesh whose ranks are not in order)
+        pos = mesh.get_coordinate()[-1]
+        local = torch.chunk(t, mesh.size(), dim=dim)[pos].clone()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+    return {
+        "rule": shard(full["rule"], DeviceMesh("cpu", [0, 1]), [Shard(0)], 0),
+        # 2-d, its ranks listed (not a range from 0)
+        "mesh2d": shard(full["mesh2d"], DeviceMesh("cpu", [[1, 0]]), [Replicate(), Shard(1)], 1),
+        "rows": full["rows"],  # replicated, cut into row pieces over both ranks
+    }
 
 
 def train_step(state: dict[str, Any], rank: int = 0) -> None:
@@ -93,6 +134,9 @@ def train_step(state: dict[str, Any], rank: int = 0) -> None:
         state["tree"]["i"].add_(1)
     state["tree"]["step"] += 1
     state["tree"]["a"][1] += 1.0
+    for t in state.get("sh", {}).values():
+        with torch.no_grad():
+            t.mul_(-1.0)  # DTensors: every rank negates its own shard
     random.random()
     torch.rand(3)
 
@@ -126,15 +170,50 @@ def write_ddp(root: str) -> None:
         raise RuntimeError(f"writing the ddp base failed: {[(o.rank, o.message) for o in bad]}")
 
 
-_FRESH: list[dict[str, Any]] = []
+def _fsdp_writer(rank: int, world_size: int, root: str) -> None:
+    from safeckpt import _plan
+
+    _plan.MIN_PIECE = 64  # spread replicated rows over both ranks (only tiny tensors here)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = build_state(1, rank=rank, sharded=True)  # a replicated model (no DDP), per-rank RNG
+        with safeckpt.CheckpointManager(root, keep_last=None, preemption_signals=()) as mgr:
+            extra = {"trainer_state.json": b'{"global_step": 1}', "notes.txt": b"x" * 300}
+            mgr.save(1, state, extra_files=extra)
+            train_step(state)
+            extra = {"trainer_state.json": b'{"global_step": 2}', "notes.txt": b"y" * 300}
+            mgr.save(2, state, extra_files=extra)
 
 
-def fresh_state() -> dict[str, Any]:
-    """A load target with the bases' layout and values unlike both A and B (a deep copy of one
+def write_fsdp(root: str) -> None:
+    """The ``fsdp`` base: A and B saved by 2 gloo ranks with DTensors and extra files."""
+    from tests import dist_harness
+
+    outcomes = dist_harness.run(_fsdp_writer, 2, root, timeout=120)
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        raise RuntimeError(f"writing the fsdp base failed: {[(o.rank, o.message) for o in bad]}")
+
+
+WRITERS = {"single": write_single, "ddp": write_ddp, "fsdp": write_fsdp}
+F2 = ".f2"  # suffix of a base rewritten in format 2
+
+
+def layout_of(base: str) -> str:
+    """The format-3 base whose state layout ``base`` has (``fsdp.f2`` -> ``fsdp``)."""
+    return base.removesuffix(F2)
+
+
+_FRESH: dict[bool, dict[str, Any]] = {}
+
+
+def fresh_state(base: str = "single") -> dict[str, Any]:
+    """A load target with ``base``'s layout and values unlike both A and B (a deep copy of one
     built once: modules, optimizer and scheduler copied together keep their links)."""
-    if not _FRESH:
-        _FRESH.append(build_state(7))
-    return copy.deepcopy(_FRESH[0])
+    sharded = layout_of(base) == "fsdp"
+    if sharded not in _FRESH:
+        _FRESH[sharded] = build_state(7, sharded=sharded)
+    return copy.deepcopy(_FRESH[sharded])
 
 
 # ------------------------------------------------------------------ snapshots and equality

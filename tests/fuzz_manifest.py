@@ -1,5 +1,6 @@
-"""Manifest mutants: edits of the parsed JSON (values, keys, header, tensors, chunks, files,
-object trees) and of its text (duplicate keys, syntax, nesting, size, reformatting).
+"""Manifest mutants: edits of the parsed JSON (values, keys, header, tensors, chunks (format 2),
+placement and layout fields (format 3, from :mod:`tests.fuzz_index`), files, object trees) and
+of its text (duplicate keys, syntax, nesting, size, reformatting).
 
 A parsed-JSON generator returns ``(description, new manifest, invalid[, extra ops])``; a text
 generator returns ``(description, ops, changed)``. ``invalid`` is for forged edits (see
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from tests.fuzz_bases import MANIFEST
+from tests.fuzz_index import g_layout3, g_placement
 from tests.fuzz_json import (
     Path,
     canon,
@@ -36,13 +38,19 @@ if TYPE_CHECKING:
 
 # Fields whose change breaks an invariant of the format (for forged edits).
 _INVARIANT_FIELDS = {"format", "format_version", "world_size", "size", "start", "end", "offsets",
-                     "sizes", "file", "shape", "dtype", "kind", "@tensor"}
+                     "sizes", "file", "shape", "dtype", "kind", "@tensor",
+                     # format 3: placement of chunks, where a file's data and index are
+                     "pieces", "sharding", "boxes", "meshes", "mesh", "dims", "ranks", "data", "index"}
 
 
 def _invalid_leaf(path: Path) -> bool | None:
     if path and path[0] in ("metadata", "metrics", "step", "created_at", "created_unix",
                             "safeckpt_version", "torch_version"):
         return False
+    if path and path[0] in ("extra", "rank_trees"):
+        return None  # loads do not read extra files (verify does); a listed rank may hold no tree
+    if len(path) >= 3 and path[0] == "tensors" and path[2] == "placement":
+        return None  # informational (the reader places chunks by sharding/boxes)
     names = {p for p in path if isinstance(p, str)}
     if "@tensor" in names and path[0] != "objects":
         names.discard("@tensor")  # an extra key named like a tag outside any tree
@@ -76,7 +84,8 @@ def g_delete_key(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None
 
 
 _ADD_KEYS = ["x", "@tensor", "@tuple", "@dict", "@float", "rank_trees", "chunks", "scope", "rank",
-             "kind", "step", "files", "xxh3_64", "placement"]
+             "kind", "step", "files", "xxh3_64", "placement", "pieces", "sharding", "boxes", "meshes",
+             "index", "data", "extra", "alias_of"]
 
 
 def g_add_key(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | None:
@@ -212,6 +221,8 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
             return None  # e.g. dropping a dim of a 0-d tensor: no edit
         rec["shape"] = new
         if label.startswith("transpose"):
+            if "chunks" not in rec:
+                return f"{where}.shape {shape} -> transposed {new!r:.60}", man, True  # format 3: rows placed
             for c in rec["chunks"]:
                 c["sizes"] = [c["sizes"][1], c["sizes"][0], *c["sizes"][2:]]
                 c["offsets"] = [c["offsets"][1], c["offsets"][0], *c["offsets"][2:]]
@@ -227,6 +238,8 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
     if kind == "rename":
         man["tensors"][key + "x"] = man["tensors"].pop(key)
         return f"rename {where} -> {key + 'x'!r} (tree still refers to the old name)", man, True
+    if kind == "extra-dim" and "chunks" not in rec:
+        return _extra_dim3(v, man, key, where)
     if kind == "extra-dim":
         rec["shape"] = [*rec["shape"], 1]
         for c in rec["chunks"]:
@@ -235,6 +248,33 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
         return f"{where}: extra trailing dim of size 1 in shape and chunks (consistent)", man, False
     man["tensors"]["unused"] = copy.deepcopy(rec)
     return f"add an unreferenced copy of {where} as 'unused'", man, True
+
+
+def _extra_dim3(v: BaseView, man: dict[str, Any], key: str, where: str) -> tuple[Any, ...] | None:
+    """Format 3: a trailing dim of size 1 in the shape and in every index entry of the tensor
+    (files rebuilt, their records re-signed): consistent."""
+    from tests.fuzz_index import _idx_dumps, rewrite
+
+    rec = man["tensors"][key]
+    if "alias_of" in rec:
+        return None
+    rec["shape"] = [*rec["shape"], 1]
+    if "boxes" in rec:
+        for b in rec["boxes"]:
+            b[1], b[2] = [*b[1], 0], [*b[2], 1]
+    ops = []
+    for name, idx in sorted(v.indexes.items()):
+        obj = copy.deepcopy(idx["obj"])
+        hits = [c for c in obj["chunks"] if c[0] == key]
+        if not hits:
+            continue
+        for c in hits:
+            c[1], c[2] = [*c[1], 0], [*c[2], 1]
+        op = rewrite(v, man, name, _idx_dumps(obj))
+        if op is None:
+            return None
+        ops.append(op)
+    return f"{where}: extra trailing dim of size 1 in shape and index entries (consistent)", man, False, tuple(ops)
 
 
 def _alias(rng: random.Random, man: dict[str, Any], key: str, where: str) -> tuple[str, Any, bool | None]:
@@ -253,15 +293,21 @@ def _alias(rng: random.Random, man: dict[str, Any], key: str, where: str) -> tup
     if target is None:
         how, target = "missing", "no/such"
     chunks = rec.get("chunks", []) if how == "keep-chunks" else []
-    tensors[key] = {**{f: rec.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": target, "chunks": chunks}
+    placed = {"chunks": chunks} if "chunks" in rec else {}  # format 3 aliases carry no placement
+    if how == "keep-chunks" and "chunks" not in rec:
+        placed = {f: rec[f] for f in ("pieces", "sharding", "boxes") if f in rec}
+    tensors[key] = {**{f: rec.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": target, **placed}
     if how == "cycle":
         t = tensors[target]
-        tensors[target] = {**{f: t.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": key, "chunks": []}
+        tensors[target] = {**{f: t.get(f) for f in ("dtype", "shape", "scope")}, "alias_of": key,
+                           **({"chunks": []} if "chunks" in t else {})}
     return f"{where} made an alias ({how}) of {target!r}", man, False if how == "same-layout" else True
 
 
 def g_chunks(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | None:
     """Chunk lists and boxes: removal, duplication, swaps, splits with overlaps and gaps, fields."""
+    if v.fmt != 2:
+        return None  # format 3 lists no chunks in the manifest: see fuzz_index (placement, index)
     man = copy.deepcopy(v.manifest)
     key = rng.choice([k for k, r in man["tensors"].items() if r["chunks"]])
     rec = man["tensors"][key]
@@ -404,7 +450,7 @@ def g_files(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None, tup
     ops: tuple[Any, ...] = (disk,) if disk else ()
     man["files"][new] = man["files"].pop(name)
     for r in man["tensors"].values():
-        for c in r["chunks"]:
+        for c in r.get("chunks", []):  # format 3: the manifest names a file only in 'files'
             if c["file"] == name:
                 c["file"] = new
     return f"rename file {name!r} -> {new!r} in the manifest" + (f" and on disk ({disk[0]})" if disk else ""), man, invalid, ops
@@ -415,6 +461,7 @@ def g_header(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
     man = copy.deepcopy(v.manifest)
     field_, new = rng.choice([
         ("format", "torch"), ("format", None), ("format_version", 1), ("format_version", 3),
+        ("format_version", 2), ("format_version", 4),
         ("format_version", 0), ("format_version", "2"), ("format_version", 2.0), ("format_version", True),
         ("world_size", 0), ("world_size", 2), ("world_size", 3), ("world_size", -1), ("world_size", "abc"),
         ("world_size", 2**40), ("world_size", 1.0), ("world_size", True), ("world_size", None),
@@ -441,6 +488,8 @@ MANIFEST_GENS: dict[str, tuple[float, Callable[..., Any]]] = {
     "chunks": (4, g_chunks),
     "files": (2, g_files),
     "tree": (4, g_object),
+    "placement": (4, g_placement),  # format 3: pieces, sharding, meshes, boxes
+    "layout3": (3, g_layout3),  # format 3: rank_trees, extra files, files' data/index records
 }
 
 

@@ -15,7 +15,9 @@ Outcomes (a mutant may have several bad ones):
   JSON is unchanged, e.g. whitespace, key order).
 - FORGED_LOADED: a forged (checksum recomputed) consistent edit loaded its new values.
 - SILENT: a call succeeded although the manifest's parsed JSON was edited (plain edits; forged
-  ones only when they break a format invariant), or loaded values differ from the original.
+  ones only when they break a format invariant), or loaded values differ from the original, or
+  ``verify(deep=True)`` passed a mutant that changed bytes it checks (``Mutant.verify_bad``: a
+  data file's index or chunk, an extra file).
 - NON_CHECKPOINT_ERROR: an exception that is not a CheckpointError (or a RankFailure wrapping
   one on a single process, where nothing but the checkpoint can have failed).
 - STATE_MODIFIED_ON_FAILURE: a failed load/restore changed the caller's state.
@@ -131,21 +133,22 @@ def _describe(exc: BaseException) -> dict[str, Any]:
 class Refs:
     """What each base loads as when undamaged (computed by the worker at start)."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, base: str = "single") -> None:
         import safeckpt
 
+        self.base = base
         ckpt_b, ckpt_a = os.path.join(root, STEP_B), os.path.join(root, STEP_A)
         self.flat_b = safeckpt.read_state_dict(ckpt_b)
-        self.state_b = self._loaded(ckpt_b)
-        self.state_a = self._loaded(ckpt_a)
+        self.state_b = self._loaded(ckpt_b, base)
+        self.state_a = self._loaded(ckpt_a, base)
         if first_difference(self.state_a, self.state_b) is None:
             raise RuntimeError(f"{root}: the two checkpoints hold equal values; fallback is invisible")
 
     @staticmethod
-    def _loaded(path: str) -> dict[str, Any]:
+    def _loaded(path: str, base: str) -> dict[str, Any]:
         import safeckpt
 
-        state = fresh_state()
+        state = fresh_state(base)
         safeckpt.load(path, state)
         return snapshot(state)
 
@@ -156,7 +159,7 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
     import safeckpt
 
     out: dict[str, Any] = {"ok": False}
-    state = fresh_state() if name in ("load", "restore") else None
+    state = fresh_state(refs.base) if name in ("load", "restore") else None
     before = snapshot(state) if state is not None else None
     watched = ckpt if name not in ("restore", "list", "cli") else root
     _WATCH = (os.path.abspath(watched), os.path.realpath(watched))
@@ -279,6 +282,8 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
     for name in ("verify_deep", "verify_shallow"):
         if calls[name].get("verified") and edited:
             add("SILENT", f"{name}: ok=True for an edited manifest")
+    if m.verify_bad and calls["verify_deep"].get("verified"):
+        add("SILENT", "verify_deep: ok=True although a file it checks was changed")
     for name in ("read", "load"):
         c = calls[name]
         if c["ok"] and c["diff"] and not new_values_ok:
@@ -329,7 +334,7 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
 def mutant_dict(m: Mutant) -> dict[str, Any]:
     """The mutant as JSON-able data, file contents abbreviated."""
     return {"id": m.id, "base": m.base, "cls": m.cls, "desc": m.desc, "changed": m.changed,
-            "forged": m.forged, "invalid": m.invalid, "ops": _ops_text(m)}
+            "forged": m.forged, "invalid": m.invalid, "verify_bad": m.verify_bad, "ops": _ops_text(m)}
 
 
 def _ops_text(m: Mutant) -> list[str]:
@@ -362,7 +367,7 @@ def worker_main(conn: Any, bases: dict[str, str], scratch: str, calls: tuple[str
         import torch
 
         torch.set_num_threads(1)
-        refs = {name: Refs(root) for name, root in bases.items()}
+        refs = {name: Refs(root, name) for name, root in bases.items()}
         conn.send(("ready", os.getpid()))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         conn.send(("error", "".join(traceback.format_exception(exc))))

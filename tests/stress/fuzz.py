@@ -5,7 +5,8 @@ Reproduce the README's table (>= 5,000 mutants; ~15-40 min on 2 busy cores)::
     .venv/bin/python -m tests.stress.fuzz --mutants 5000 --seed 1 --out fuzz-table.md
 
 It writes two checkpoints per base (an older valid one and a newer one it damages; bases
-``single``, saved by one process, and ``ddp``, saved by 2 gloo ranks with a DDP model), then
+``single``, saved by one process, ``ddp``, saved by 2 gloo ranks with a DDP model, ``fsdp``, by
+2 gloo ranks with DTensors and extra files, each also rewritten in format 2 as ``NAME.f2``), then
 runs each mutant (see :mod:`tests.fuzz_mutants`) against verify, read_state_dict, load,
 restore and list (see :mod:`tests.fuzz_oracle` for the outcomes). The markdown table counts
 outcomes per mutant class; ``--findings FILE`` also writes, per bad outcome, its count and a
@@ -28,23 +29,32 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.fuzz_bases import BASES_VERSION, STEP_A, STEP_B, write_ddp, write_single
+from tests.fuzz_bases import BASES_VERSION, F2, STEP_A, STEP_B, WRITERS
 from tests.fuzz_mutants import BaseView, generate
 from tests.fuzz_oracle import BAD, CALLS, GOOD
 from tests.fuzz_pool import CANARY, Pool
+from tests.manifest_checks import as_format2
 
 
-def make_bases(workdir: str, *, ddp: bool = True) -> dict[str, str]:
-    """Base roots under ``workdir`` (reused when already there): name -> root."""
-    bases = {"single": os.path.join(workdir, f"single-v{BASES_VERSION}")}
-    if ddp:
-        bases["ddp"] = os.path.join(workdir, f"ddp-v{BASES_VERSION}")
-    for name, root in bases.items():
-        if _still_valid(root):
-            continue
-        shutil.rmtree(root, ignore_errors=True)  # absent, or written by an older format
-        os.makedirs(root)
-        (write_single if name == "single" else write_ddp)(root)
+def make_bases(workdir: str, *, ddp: bool = True, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Base roots under ``workdir`` (reused when already there): name -> root. Each format-3
+    base also gives ``NAME.f2``, the same checkpoints rewritten in format 2."""
+    wanted = list(names) if names is not None else (["single", "ddp", "fsdp"] if ddp else ["single"])
+    bases = {}
+    for name in wanted:
+        root = os.path.join(workdir, f"{name}-v{BASES_VERSION}")
+        if not _still_valid(root):
+            shutil.rmtree(root, ignore_errors=True)  # absent, or written by an older format
+            os.makedirs(root)
+            WRITERS[name](root)
+        bases[name] = root
+        root2 = root + F2
+        if not _still_valid(root2):
+            shutil.rmtree(root2, ignore_errors=True)
+            shutil.copytree(root, root2)
+            for step in (STEP_A, STEP_B):
+                as_format2(os.path.join(root2, step))
+        bases[name + F2] = root2
     return bases
 
 
