@@ -22,6 +22,7 @@ from torch import nn
 import safeckpt
 from safeckpt import cli
 from safeckpt._lock import LOCK_NAME, RootLock
+from safeckpt._reader import open_manifest
 
 STAGING = ".step-0000000040.safeckpt-staging-0123abcd"
 TRASH = ".step-0000000005.safeckpt-trash-deadbeef"
@@ -48,11 +49,15 @@ def _managed_root(root: Path, steps=(10, 20, 30)) -> Path:
     return root
 
 
-def _flip_byte(path: Path, offset_from_end: int = 3) -> None:
+def _flip_byte(path: Path) -> None:
+    """Flip a byte inside the last tensor chunk of the data file ``path`` (not its index: a
+    damaged index is seen without reading the data)."""
+    man = open_manifest(str(path.parent))
+    end = max(c["end"] for rec in man["tensors"].values() for c in rec.get("chunks", ()) if c["file"] == path.name)
     with open(path, "r+b") as f:
-        f.seek(-offset_from_end, os.SEEK_END)
+        f.seek(end - 3)
         b = f.read(1)
-        f.seek(-offset_from_end, os.SEEK_END)
+        f.seek(end - 3)
         f.write(bytes([b[0] ^ 0x10]))
 
 

@@ -622,6 +622,10 @@ class Coordinator:
 
         try:
             missing, survivors, records = _ask_store(markers, _store_budget(self.timeout))
+            # A rank that saw the failure itself is a fellow survivor, not the one missing,
+            # even if it failed at an earlier collective of the phase (the coordinator gives
+            # up in the gather while the others wait for its broadcast).
+            missing = [r for r in missing if r not in survivors]
             for r, record in records.items():
                 state.peers[r] = state.peers[r] or record
         except Exception as exc:  # the store's host is gone (or unreachable)

@@ -52,6 +52,11 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
     are bounded by its timeout)."""
     problems: list[str] = []
     try:
+        stored = open_manifest(ckpt, store, full=False)
+        missing = [f"missing file {name}" for name in sorted(stored["files"])
+                   if not _exists(safe_file_path(ckpt, name), store)]
+        if missing:  # said plainly, before format 3's indexes are read from those files
+            return VerifyReport(ckpt, False, missing, stored.get("step"), 0, deep)
         man = open_manifest(ckpt, store)
     except (CheckpointError, OSError) as exc:
         return VerifyReport(ckpt, False, [str(exc)], deep=deep)

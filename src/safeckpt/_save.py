@@ -744,8 +744,8 @@ def _retry_missing_dir(fn: Any, staging: str, attempts: int = 50) -> Any:
             if i == attempts - 1:
                 raise CheckpointError(
                     f"the staging directory {staging} created by rank 0 is not visible on this "
-                    f"rank after {attempts * 0.1:.0f}s: the checkpoint directory must be on storage "
-                    "shared by all ranks."
+                    f"rank after {attempts * 0.1:.0f}s: the ranks do not share the checkpoint "
+                    f"directory. {_commit.NOT_SHARED}"
                 ) from None
             time.sleep(0.1)
 
