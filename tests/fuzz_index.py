@@ -256,7 +256,7 @@ def g_index(rng: random.Random, v: BaseView) -> tuple[Any, ...] | None:
     op = rewrite(v, man, name, raw)
     if op is None:
         return None
-    return f"{name} index: {desc}", man, invalid, (op,), True
+    return f"{name} index: {desc}", man, invalid, (op,)
 
 
 def g_index_plain(rng: random.Random, v: BaseView) -> tuple[str, tuple[Any, ...]] | None:

@@ -10,7 +10,9 @@ real path is outside the checkpoint (OUTSIDE_READ); peak RSS growth over 200 MB 
 
 Outcomes (a mutant may have several bad ones):
 
-- CAUGHT: every reader refused it with a CheckpointError (verify: ``ok=False``).
+- CAUGHT: every reader refused it with a CheckpointError (verify: ``ok=False``). Format 3: a
+  forged inconsistency confined to a file a 1-process load does not read may load the original
+  values (bit-exact) while verify and read_state_dict refuse it; that counts as BENIGN.
 - BENIGN: something loaded, and what loaded equals the original (and the manifest's parsed
   JSON is unchanged, e.g. whitespace, key order).
 - FORGED_LOADED: a forged (checksum recomputed) consistent edit loaded its new values.
@@ -30,6 +32,7 @@ Outcomes (a mutant may have several bad ones):
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import shutil
@@ -194,6 +197,10 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
         if before is not None:
             out["modified"] = first_difference(before, snapshot(state))  # type: ignore[arg-type]
     finally:
+        if name in ("restore", "list"):
+            # A manager's lease finalizer reads ROOT/.safeckpt.lock when it is collected: let it
+            # run now, inside this call's root, not during a later mutant's call.
+            gc.collect()
         _WATCH = None
         out["secs"] = round(time.monotonic() - t0, 3)
         out["rss_mb"] = round(_maxrss_mb() - rss0)  # growth of the peak during this call
@@ -269,6 +276,11 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
 
     edited = (m.changed and not m.forged) or (m.forged and m.invalid is True)
     new_values_ok = m.forged and m.invalid is not True
+    # Format 3: a load reads only the indexes of the files it needs, so a forged inconsistency
+    # confined to another rank's file (e.g. rank 1's index at a 1-process load) may load the
+    # original values exactly, as long as verify and read_state_dict (every index) refuse it.
+    partial = (m.forged and not m.base.endswith(".f2") and not calls["verify_deep"].get("verified")
+               and not calls["verify_shallow"].get("verified") and not calls["read"]["ok"])
     for name, c in calls.items():
         exc = c.get("exc")
         if exc and not exc["proper"]:
@@ -288,7 +300,7 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         c = calls[name]
         if c["ok"] and c["diff"] and not new_values_ok:
             add("SILENT", f"{name} loaded different values without error: {c['diff']}")
-        elif c["ok"] and edited:
+        elif c["ok"] and edited and not (name == "load" and partial):
             add("SILENT", f"{name} succeeded on an edited manifest")
     if calls["verify_deep"].get("verified"):
         for name in ("read", "load"):
@@ -311,7 +323,7 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         add("SILENT", f"restore fell back to step 1 but loaded different values: {r['diff']}")
     elif r["step"] == 2 and r["diff"] and not new_values_ok:
         add("SILENT", f"restore loaded step 2 with different values: {r['diff']}")
-    elif r["step"] == 2 and edited:
+    elif r["step"] == 2 and edited and not partial:
         add("SILENT", "restore loaded the edited step 2")
     if outside:
         add("OUTSIDE_READ", "; ".join(f"{k}: {', '.join(v)}" for k, v in outside.items()))
