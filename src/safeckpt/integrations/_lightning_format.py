@@ -84,7 +84,10 @@ def remove(path: str) -> None:
 
 def refuse_file(path: str) -> None:
     """A plain file where a checkpoint directory is expected: most likely a ``torch.save``
-    checkpoint from Lightning's default IO, which is never unpickled here."""
+    checkpoint from Lightning's default IO, which is never unpickled here. Nothing there:
+    Lightning's own ``FileNotFoundError`` message (``CheckpointNotFound`` is one)."""
+    if not is_remote(path) and not os.path.exists(path):
+        raise CheckpointNotFound(f"Checkpoint file not found: {path}", path=path)
     if not is_remote(path) and os.path.isfile(path):
         raise CheckpointNotFound(
             f"{path} is a file, not a safeckpt checkpoint directory (a checkpoint written by "
