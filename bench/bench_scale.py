@@ -112,6 +112,16 @@ class _DcpCounter:
             setattr(dcp_utils.dist, name, fn)
 
 
+def _sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
 def _timed(call: Any) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -129,8 +139,10 @@ def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: i
         dist.init_process_group("gloo", rank=rank, world_size=world)
         state = _state(layout, rank, world)
         out: dict[str, list[Any]] = {k: [] for k in ("save", "load", "dcp_save", "dcp_load")}
+        before = _sockets()
         safeckpt.save(f"{root}/warm", state, overwrite=True)
         safeckpt.load(f"{root}/warm", state)
+        out["sockets"] = [_sockets() - before]  # what safeckpt's group (and store clients) added
         dcp.save(state["model"], checkpoint_id=f"{root}/dcp-warm")
         dcp.load(state["model"], checkpoint_id=f"{root}/dcp-warm")
         for i in range(reps):
@@ -180,7 +192,8 @@ def run_world(world: int, layout: str, reps: int, base: str, timeout: float) -> 
             if p.is_alive():
                 p.kill()
         shutil.rmtree(root, ignore_errors=True)
-    row: dict[str, Any] = {"world": world, "layout": layout, "manifest": manifest}
+    row: dict[str, Any] = {"world": world, "layout": layout, "manifest": manifest,
+                           "sockets": results[world - 1]["sockets"][0], "sockets0": results[0]["sockets"][0]}
     for what in ("save", "load", "dcp_save", "dcp_load"):
         per_rep = list(zip(*(results[r][what] for r in range(world)), strict=True))
         row[what] = statistics.median(max(t for t, _ in rep) for rep in per_rep)
@@ -193,13 +206,13 @@ def run_world(world: int, layout: str, reps: int, base: str, timeout: float) -> 
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("| layout | ranks | manifest B | save: rounds | save: B recv / sent (rank n-1) | save: B recv (rank 0) "
+    head = ("| layout | ranks | sockets (rank n-1 / 0) | manifest B | save: rounds | save: B recv / sent (rank n-1) | save: B recv (rank 0) "
             "| load: rounds | load: B recv (rank n-1) | save ms | DCP save ms (rounds) | load ms "
             "| DCP load ms (rounds) | save / DCP | load / DCP |")
-    lines = [head, "|" + "|".join(["---"] * 14) + "|"]
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for r in rows:
         lines.append(
-            f"| {r['layout']} | {r['world']} | {r['manifest']:,} | {r['save_rounds']} "
+            f"| {r['layout']} | {r['world']} | {r['sockets']} / {r['sockets0']} | {r['manifest']:,} | {r['save_rounds']} "
             f"| {r['save_recv']:,} / {r['save_sent']:,} | {r['save_coord_recv']:,} | {r['load_rounds']} "
             f"| {r['load_recv']:,} | {1e3 * r['save']:.0f} | {1e3 * r['dcp_save']:.0f} ({r['dcp_save_rounds']}) "
             f"| {1e3 * r['load']:.0f} | {1e3 * r['dcp_load']:.0f} ({r['dcp_load_rounds']}) "

@@ -162,13 +162,43 @@ def _ask_store(query: Callable[[Any], Any], budget: float) -> Any:
     return box.get("value")
 
 
+LAZY_ENV = "SAFECKPT_LAZY_CONNECT"  # "auto" (default), "1" or "0"
+LAZY_FROM = 33  # world size from which "auto" connects the group's pairs lazily
+
+
+def lazy_connect(world_size: int) -> bool:
+    """Whether the checkpoint group connects its pairs on first use instead of as a full mesh.
+
+    Every exchange is a gather to rank 0 and a broadcast from it, so with lazy pairs a rank
+    other than 0 holds one connection (to rank 0) instead of world_size - 1; rank 0 holds one
+    per rank either way. A full mesh is kept for small jobs: creating the group then already
+    proves every pair can connect (measured: 16 ranks, 16 sockets per rank full mesh, 3 lazy)."""
+    mode = os.environ.get(LAZY_ENV, "auto").strip().lower()
+    if mode in ("1", "true", "yes"):
+        return True
+    if mode in ("0", "false", "no"):
+        return False
+    return world_size >= LAZY_FROM
+
+
 def _new_gloo_group(timeout: float) -> Any:
     """A gloo group over all ranks whose creation waits at most ~``timeout`` for a dead peer
     and whose collectives time out after ``timeout``."""
     gloo = getattr(dist, "ProcessGroupGloo", None)
     if gloo is None or not hasattr(gloo, "_set_default_timeout"):  # pragma: no cover - old torch
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout / CONNECT_SHARE))
+    lazy = lazy_connect(dist.get_world_size())
+    before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    if lazy:  # read by gloo when the group's device is created, just below
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout / CONNECT_SHARE))
+    finally:
+        if lazy:
+            if before is None:
+                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = before
     group._get_backend(torch.device("cpu"))._set_default_timeout(timedelta(seconds=timeout))
     return group
 
