@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp  # imported here, before the fork: ranks share it
 import torch.multiprocessing as mp
 
 import safeckpt
@@ -129,13 +130,12 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: int, queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: int, dcp_reps: int,
+               queue: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        import torch.distributed.checkpoint as dcp
-
         dist.init_process_group("gloo", rank=rank, world_size=world)
         state = _state(layout, rank, world)
         out: dict[str, list[Any]] = {k: [] for k in ("save", "load", "dcp_save", "dcp_load")}
@@ -143,8 +143,9 @@ def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: i
         safeckpt.save(f"{root}/warm", state, overwrite=True)
         safeckpt.load(f"{root}/warm", state)
         out["sockets"] = [_sockets() - before]  # what safeckpt's group (and store clients) added
-        dcp.save(state["model"], checkpoint_id=f"{root}/dcp-warm")
-        dcp.load(state["model"], checkpoint_id=f"{root}/dcp-warm")
+        if dcp_reps == reps:  # (large worlds: DCP's calls take minutes; its imports are done)
+            dcp.save(state["model"], checkpoint_id=f"{root}/dcp-warm")
+            dcp.load(state["model"], checkpoint_id=f"{root}/dcp-warm")
         for i in range(reps):
             for what, call in (
                 ("save", lambda i=i: safeckpt.save(f"{root}/ck-{i}", state)),
@@ -153,6 +154,8 @@ def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: i
                 before = dict(_dist.STATS)
                 seconds = _timed(call)
                 out[what].append((seconds, {k: _dist.STATS[k] - before[k] for k in before}))
+            if i >= dcp_reps:
+                continue
             for what, call in (
                 ("dcp_save", lambda i=i: dcp.save(state["model"], checkpoint_id=f"{root}/dcp-{i}")),
                 ("dcp_load", lambda i=i: dcp.load(state["model"], checkpoint_id=f"{root}/dcp-{i}")),
@@ -168,12 +171,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: i
         queue.put((rank, None, 0, traceback.format_exc()))
 
 
-def run_world(world: int, layout: str, reps: int, base: str, timeout: float) -> dict[str, Any]:
+def run_world(world: int, layout: str, reps: int, dcp_reps: int, base: str, timeout: float) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix=f"scale-{layout}-{world}-", dir=base)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layout, root, reps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, layout, root, reps, dcp_reps, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -227,20 +230,24 @@ def main() -> None:
     ap.add_argument("--layouts", default="ddp,fsdp")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--root", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds one world size may take")
+    ap.add_argument("--dcp-reps", type=int, default=None,
+                    help="timed DCP rounds (default: --reps up to 32 ranks, 1 above, without warm-up)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one world size may take")
     args = ap.parse_args()
     os.environ.setdefault("SAFECKPT_TIMEOUT", "300")
     rows = []
     for layout in args.layouts.split(","):
         for world in [int(w) for w in args.worlds.split(",")]:
             started = time.monotonic()
-            row = run_world(world, layout, args.reps, args.root, args.timeout)
+            dcp_reps = args.dcp_reps if args.dcp_reps is not None else (args.reps if world <= 32 else 1)
+            row = run_world(world, layout, args.reps, dcp_reps, args.root, args.timeout)
             rows.append(row)
             print(f"# {layout} x {world}: {time.monotonic() - started:.0f}s "
                   f"save {1e3 * row['save']:.0f} ms (DCP {1e3 * row['dcp_save']:.0f}), "
                   f"load {1e3 * row['load']:.0f} ms (DCP {1e3 * row['dcp_load']:.0f})", file=sys.stderr, flush=True)
     text = (f"safeckpt {safeckpt.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-            f"{args.reps} reps (medians), {N_TENSORS} tensors, root {args.root}\n\n" + _table(rows))
+            f"{args.reps} reps (medians; DCP: {args.dcp_reps or 'reps up to 32 ranks, 1 above'}), "
+            f"{N_TENSORS} tensors, root {args.root}\n\n" + _table(rows))
     print(text)
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     with open(os.path.join(os.path.dirname(__file__), "results", "scale.md"), "w") as f:
@@ -256,7 +263,7 @@ def constants() -> str:
 
     from torch.distributed import TCPStore
 
-    from safeckpt._dist import SLOT, _frame_len, _framed
+    from safeckpt._dist import SLOT, _decoded, _framed
     from safeckpt._manifest import parse_manifest
 
     lines = []
@@ -264,9 +271,10 @@ def constants() -> str:
     payload = {"ok": True, "value": {"path": "/checkpoints/run-17/step-0000012000", "step": 12000, "overwrite": True,
                                      "layout_hash": "ab" * 32, "digest": "cd" * 16, "trees": "ef" * 8,
                                      "irregular": {}}}
-    slots = [_framed(_json.dumps(payload).encode(), SLOT) for _ in range(n)]
+    one = _framed(_json.dumps(payload).encode(), SLOT)
+    slots = list(one.repeat(n, 1).unbind(0))  # as _gather_slots receives them: rows of one buffer
     t0 = time.perf_counter()
-    values = [_json.loads(bytes(o[8: 8 + _frame_len(o)].numpy()).decode())["value"] for o in slots]
+    values = [v["value"] for v in _decoded(slots, None)]
     ref = values[0]
     assert all(v["path"] == ref["path"] and v["layout_hash"] == ref["layout_hash"] for v in values)
     per = (time.perf_counter() - t0) / n

@@ -409,15 +409,9 @@ class Coordinator:
             more = self._transport(phase, lambda group: _broadcast_json({"more": extra}, group, self.rank), hint)
             rest = self._transport(phase, lambda group: _gather_slots(data[SLOT:], group, self.rank,
                                                                       self.world_size, more["more"]), hint)
-        gathered: list[dict[str, Any]] = []
         if self.is_coordinator:
             assert outs is not None
-            for r, o in enumerate(outs):
-                n = _frame_len(o)
-                raw = bytes(o[8 : 8 + min(n, SLOT)].numpy())
-                if n > SLOT:
-                    raw += bytes(rest[r][8 : 8 + n - SLOT].numpy())  # type: ignore[index]
-                gathered.append(json.loads(raw.decode()))
+            gathered = _decoded(outs, rest)
             failures = {r: res["error"] for r, res in enumerate(gathered) if not res["ok"]}
             if failures:
                 decision = {"ok": False, "failures": _capped(failures)}
@@ -739,12 +733,31 @@ def _count(sent: int, received: int) -> None:
 
 
 def _gather_slots(data: bytes, group: Any, rank: int, world: int, size: int) -> list[torch.Tensor] | None:
-    """One gather of ``data``'s first ``size`` bytes (framed) from every rank to rank 0."""
+    """One gather of ``data``'s first ``size`` bytes (framed) from every rank to rank 0, into
+    the rows of one buffer there (decoded with numpy: a torch slice per rank cost ~20 us)."""
     buf = _framed(data, size)
-    outs = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+    outs = list(torch.empty((world, len(buf)), dtype=torch.uint8).unbind(0)) if rank == 0 else None
     dist.gather(buf, outs, dst=0, group=group)
     _count(len(buf) if rank else 0, len(buf) * (world - 1) if rank == 0 else 0)
     return outs
+
+
+def _decoded(outs: list[torch.Tensor], rest: list[torch.Tensor] | None) -> list[dict[str, Any]]:
+    """Every rank's JSON value from the gathered slots (and the rest of the longer ones)."""
+    rows = outs[0]._base.numpy() if outs[0]._base is not None else torch.stack(outs).numpy()
+    more = None
+    if rest is not None:
+        more = rest[0]._base.numpy() if rest[0]._base is not None else torch.stack(rest).numpy()
+    out = []
+    for r in range(len(outs)):
+        row = rows[r]
+        n = int.from_bytes(row[:8].tobytes(), "little")
+        raw = row[8 : 8 + min(n, SLOT)].tobytes()
+        if n > SLOT:
+            assert more is not None
+            raw += more[r][8 : 8 + n - SLOT].tobytes()
+        out.append(json.loads(raw))
+    return out
 
 
 def _broadcast_json(decision: dict[str, Any] | None, group: Any, rank: int) -> dict[str, Any]:
