@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-load bench-gpu clean
+.PHONY: demo test lint bench bench-load bench-gpu bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python bench/bench_load.py
+
+bench-scale: $(STAMP)
+	$(BIN)/python bench/bench_scale.py
 
 bench-gpu: $(STAMP)
 	$(BIN)/python bench/bench_gpu.py
