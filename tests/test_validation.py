@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._reader import open_manifest
 from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
+from safeckpt._reader import open_manifest
 from tests import dist_harness
 from tests.manifest_checks import as_format2
 
