@@ -392,7 +392,8 @@ def g_placement(rng: random.Random, v: BaseView) -> tuple[Any, ...] | None:
         if kind == "per_rank":
             del rec["pieces"]
             rec["scope"] = "per_rank"
-            return f"tensors[{key!r}]: replicated -> per_rank (pieces removed)", man, True
+            # one rank: its file holds the whole tensor either way (consistent)
+            return f"tensors[{key!r}]: replicated -> per_rank (pieces removed)", man, world > 1
         return None
     if what == "sharding":
         key = rng.choice(sharded)
