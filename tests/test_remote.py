@@ -491,3 +491,28 @@ def test_sweep_and_listing_are_best_effort_when_the_store_refuses(tmp_path, monk
     text = " ".join(str(w.message) for w in caught)
     assert "could not remove the leftover" in text and "cannot list unfinished uploads" in text
     assert stray.exists()
+
+
+def test_a_server_that_ignores_range_requests_still_serves_a_checkpoint(tmp_path):
+    """Python's http.server answers a ranged GET with the whole object: the reader takes the
+    part it asked for (the object has the size the manifest says) instead of a 'short read'."""
+    import functools
+    import http.server
+    import threading
+
+    pytest.importorskip("aiohttp")
+    safeckpt.save(tmp_path / "ck", {"w": torch.arange(1000.0), "m": {"a": 1}})
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/ck"
+        flat = safeckpt.read_state_dict(url)
+        assert torch.equal(flat["w"], torch.arange(1000.0)) and flat["m/a"] == 1
+        assert safeckpt.verify(url).ok
+    finally:
+        srv.shutdown()

@@ -69,10 +69,6 @@ REFUSALS: dict[str, tuple[str, str]] = {
         r"test_stateful_trainer_ckpt_path_support",
         r"is a file, not a safeckpt checkpoint directory",
     ),
-    "an http:// checkpoint from a server ignoring Range requests (Python's http.server)": (
-        r"test_strict_model_load_(more|less)_params\[True\]",
-        r"CorruptCheckpoint: short read from http://",
-    ),
 }
 
 
