@@ -361,3 +361,24 @@ def test_lazily_connected_group_holds_one_pair_per_rank_and_still_fails_fast(tmp
         assert v["err"]["type"] == "RankFailure" and sorted(v["err"]["failures"]) == [5], v["err"]
         assert v["err"]["elapsed"] < 20, v["err"]  # the exit is seen, not waited out
     assert not (tmp_path / "b").exists()
+
+
+def _warned(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    state = {"w": torch.full((4,), float(rank)), "same": torch.ones(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        safeckpt.save(f"{root}/ck", state, check_replicas="warn")
+    return {"warned": [str(w.message) for w in caught if issubclass(w.category, safeckpt.SafeckptWarning)]}
+
+
+@pytest.mark.timeout(120)
+def test_differing_replicas_in_warn_mode_warn_on_every_rank_and_save(tmp_path):
+    out = dist_harness.run(_warned, 2, str(tmp_path), timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        (msg,) = o.value["warned"]
+        assert "rank 1: w" in msg and "same" not in msg, msg
+    flat = safeckpt.read_state_dict(tmp_path / "ck")
+    assert torch.equal(flat["same"], torch.ones(3)) and flat["w"].shape == (4,)

@@ -290,11 +290,11 @@ class _SaveJob:
                     problems.append(f"rank {r} was called with {field}={a[field]!r} but rank 0 with {ref[field]!r}")
         if problems:
             raise self._mismatch(problems)
+        self._agreed = agreed  # kept for staging after a "warn" about replicas
         if any(a["layout_hash"] != ref["layout_hash"] for a in agreed):
             return {"ask": "layout"}
         if self._replica_mode() != "off" and any(a["digest"] != ref["digest"] for a in agreed):
             return {"ask": "replicas"}
-        self._agreed = agreed
         return self._stage(agreed)
 
     def _mismatch(self, problems: list[str]) -> RankMismatch:
@@ -337,11 +337,7 @@ class _SaveJob:
         )
         if self._replica_mode() == "error":
             raise RankMismatch(msg)
-        return {**self._stage(self._agreed_for_warn(digests)), "warning": msg}
-
-    def _agreed_for_warn(self, digests: list[Any]) -> list[dict[str, Any]]:
-        """The first exchange's values (kept by the coordinator) for staging after a warning."""
-        return getattr(self, "_agreed", None) or [{"irregular": {}, "trees": ""} for _ in digests]
+        return {**self._stage(self._agreed), "warning": msg}
 
     def _stage(self, agreed: list[dict[str, Any]]) -> dict[str, Any]:
         """Coordinator: writers of irregular shards, then the manager's hook and the staging."""
