@@ -209,7 +209,7 @@ class CheckpointManager:
                 if e.status == "corrupt":
                     damaged.append(f"step {e.step}: unreadable manifest ({e.problem})")
             elif e.status == "committed":
-                report = verify_on(self._store, e.path, deep=False)
+                report = verify_on(self._store, e.path, deep=False, indexes=False)
                 if report.ok:
                     candidates.append([e.step, e.path])
                 else:
