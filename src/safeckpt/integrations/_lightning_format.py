@@ -17,6 +17,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 import safeckpt
+from safeckpt import _frozen
 from safeckpt._catalog import Entry, remove_entry
 from safeckpt._storage import is_remote
 from safeckpt.errors import CheckpointNotFound, IncompatibleCheckpoint
@@ -26,6 +27,7 @@ from ._lightning_values import decode
 MODEL = "model"
 LIGHTNING = "lightning"
 RNG = "rng"
+FROZEN = _frozen.ENTRY  # fingerprints of frozen parameters (strategies' frozen="fingerprint")
 FORMAT = "safeckpt-lightning"
 OPTIM_RE = re.compile(r"^optimizer_(\d+)$")
 NOT_STORED = ("state_dict", "optimizer_states")  # saved from the live objects instead
@@ -120,7 +122,29 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = None) -> d
     optims = sorted((int(m.group(1)), k) for k in nested if (m := OPTIM_RE.match(k)))
     if optims:
         checkpoint["optimizer_states"] = [nested[k] for _, k in optims]
+    if FROZEN in nested:
+        # Frozen parameters were saved as fingerprints: ``state_dict`` lacks them, and this key
+        # holds the fingerprints (:func:`fill_frozen` checks a live module against them).
+        checkpoint[FROZEN] = nested[FROZEN]
     return map_tensors(checkpoint, map_location)
+
+
+def fill_frozen(module: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Verify ``module``'s live frozen parameters against the fingerprints in ``checkpoint``
+    (``IncompatibleCheckpoint`` naming each tensor that differs) and add them to its
+    ``state_dict`` entry, so that the module's ``load_state_dict`` gets a complete dict."""
+    saved = checkpoint.pop(FROZEN, None)
+    if saved is None:
+        return
+    live = _frozen.frozen_tensors(module)
+    problems = _frozen.compare({MODEL: live} if live else {}, saved)
+    if problems:
+        raise IncompatibleCheckpoint(
+            "the module's frozen parameters are not the ones this checkpoint was trained on (a "
+            "different base model?); nothing was loaded:\n  " + "\n  ".join(problems[:20]))
+    sd = checkpoint.setdefault("state_dict", {})
+    for name, t in live.items():
+        sd.setdefault(name, t.detach())
 
 
 def map_tensors(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.core.saving import _load_state
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import safeckpt
+from safeckpt import _frozen
 from safeckpt._dist import Coordinator
 from safeckpt._tree import is_dtensor
 from safeckpt.errors import (
@@ -57,12 +57,14 @@ from safeckpt.errors import (
 )
 
 from ._lightning_format import (
+    FROZEN,
     LIGHTNING,
     MODEL,
     NOT_STORED,
     OPTIM_RE,
     RNG,
     RankLocal,
+    fill_frozen,
     is_lightning_checkpoint,
     metadata,
     norm,
@@ -100,9 +102,11 @@ def load_from_checkpoint(
     checkpoint = read_checkpoint(path, map_location)  # map_location: as torch.load takes it
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    from lightning.pytorch.core import saving
+
     if issubclass(cls, LightningDataModule):
-        return _load_state(cls, checkpoint, **kwargs)
-    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+        return saving._load_state(cls, checkpoint, **kwargs)
+    return saving._load_state(cls, checkpoint, strict=strict, **kwargs)  # frozen: see _serve_pl_load
 
 
 # --------------------------------------------------------------------------- CheckpointIO
@@ -158,10 +162,19 @@ class SafeckptStrategyMixin:
     sees restored weights and callbacks), the optimizers and RNG in place when Lightning
     restores the optimizers. ``checkpoint_timeout`` is how long a rank waits for the others (safeckpt's
     ``timeout``); ``save_rng=False`` leaves the RNG state out.
+
+    ``frozen``: ``"fingerprint"`` (default): the LightningModule's frozen parameters
+    (``requires_grad=False``: a LoRA base model, a frozen tower) are not stored; the checkpoint
+    holds the trainable tensors and a fingerprint (xxh3 checksum, shape, dtype) of each frozen one,
+    so it is the size of what trains. On resume the live frozen tensors (the base the module
+    loads itself, as with stock PEFT) are checked against the fingerprints on every rank before
+    anything is changed (a different base: ``IncompatibleCheckpoint`` naming the tensor) and the
+    rest is restored. ``"full"``: frozen parameters are stored like the rest. Sharded (DTensor)
+    parameters are always stored (see ``safeckpt._frozen``).
     """
 
     def __init__(self, *args: Any, checkpoint_timeout: float | None = None, save_rng: bool = True,
-                 **kwargs: Any) -> None:
+                 frozen: str = "fingerprint", **kwargs: Any) -> None:
         unsupported = {c.__name__ for c in type(self).__mro__} & {"FSDPStrategy", "DeepSpeedStrategy"}
         if unsupported:
             raise TypeError(
@@ -173,6 +186,7 @@ class SafeckptStrategyMixin:
         super().__init__(*args, **kwargs)
         self.checkpoint_timeout = checkpoint_timeout
         self.save_rng = save_rng
+        self.frozen = _frozen.check_frozen_mode(frozen)
         self._pending: dict[str, Any] | None = None  # the checkpoint whose optimizers load next
 
     # Lightning asks the strategy for these while building its dict; the live objects are saved
@@ -223,7 +237,7 @@ class SafeckptStrategyMixin:
                                             "checkpoint"))
         self._sync_ddp_buffers()
         safeckpt.save(
-            os.fspath(filepath), state, overwrite=True, step=step_of(checkpoint),
+            os.fspath(filepath), _frozen.for_save(state, self.frozen), overwrite=True, step=step_of(checkpoint),
             metadata=metadata(checkpoint, not full), timeout=self.checkpoint_timeout,
         )
 
@@ -306,8 +320,16 @@ class SafeckptStrategyMixin:
         if any(p != paths[0] for p in paths):
             raise RankMismatch(f"load_checkpoint: ranks were called with different paths: {paths}")
         box: dict[str, Any] = {}
-        coord.run("load-read", lambda: box.update(checkpoint=read_checkpoint(path)),
-                  hint="Nothing was loaded.")
+        module = self.lightning_module
+
+        def read() -> None:
+            checkpoint = read_checkpoint(path)
+            if FROZEN in checkpoint and module is not None:
+                # the module's load_state_dict gets its verified live frozen tensors
+                fill_frozen(module, checkpoint)
+            box.update(checkpoint=checkpoint)
+
+        coord.run("load-read", read, hint="Nothing was loaded.")
         return box["checkpoint"]
 
     def _as_state_dict(self) -> bool:
@@ -323,9 +345,18 @@ class SafeckptStrategyMixin:
         entries = set(cand["entries"])
         holder = RankLocal()
         as_dict = self._as_state_dict()
+        module = self.lightning_module
         state: dict[str, Any] = {LIGHTNING: holder}
+        live_frozen: dict[str, torch.Tensor] = {}
+        if FROZEN in entries:
+            # Saved with fingerprints: checked against the live frozen tensors first (a
+            # stateful entry, applied on every rank before any tensor is copied), then the
+            # module without its frozen parameters.
+            live_frozen = _frozen.frozen_tensors(module)
+            state = {FROZEN: _frozen.Fingerprints({MODEL: live_frozen} if live_frozen else {}, loading=True),
+                     LIGHTNING: holder}
         if not as_dict:
-            state[MODEL] = self.lightning_module
+            state[MODEL] = _frozen.TrainableView(module, frozenset(live_frozen)) if FROZEN in entries else module
         left_out = sorted(entries - set(state))
         model_strict = self.lightning_module.strict_loading
         with warnings.catch_warnings():
@@ -358,7 +389,10 @@ class SafeckptStrategyMixin:
             box: dict[str, Any] = {}
             coord.run("state-dict", lambda: box.update(sd=safeckpt.read_state_dict(cand["path"], nested=True)[MODEL]),
                       hint="The model is unchanged.")
-            out["state_dict"] = box["sd"]
+            sd = box["sd"]
+            for name, t in live_frozen.items():  # verified above: the override gets a full dict
+                sd.setdefault(name, t.detach())
+            out["state_dict"] = sd
         return out
 
     def _load_optimizers(self, cand: dict[str, Any]) -> None:
@@ -413,6 +447,29 @@ def _serve_pl_load() -> None:
 
     pl_load._safeckpt = True  # type: ignore[attr-defined]
     saving.pl_load = pl_load
+
+    original_load_state = saving._load_state
+
+    def _load_state(cls: Any, checkpoint: dict[str, Any], strict: bool | None = None, **kwargs: Any) -> Any:
+        """A checkpoint saved with frozen-parameter fingerprints: the module is built as
+        Lightning builds it (its ``__init__`` loads the frozen base), then, after its
+        ``on_load_checkpoint``, the live frozen tensors are verified against the fingerprints
+        and added to ``state_dict`` before Lightning's ``load_state_dict``."""
+        if FROZEN not in checkpoint or not (isinstance(cls, type) and issubclass(cls, LightningModule)):
+            return original_load_state(cls, checkpoint, strict=strict, **kwargs)
+
+        def on_load_checkpoint(obj: Any, ckpt: dict[str, Any]) -> None:
+            cls.on_load_checkpoint(obj, ckpt)
+            fill_frozen(obj, ckpt)
+
+        sub = type(cls.__name__, (cls,), {"on_load_checkpoint": on_load_checkpoint,
+                                          "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        obj = original_load_state(sub, checkpoint, strict=strict, **kwargs)
+        obj.__class__ = cls
+        return obj
+
+    _load_state._safeckpt = True  # type: ignore[attr-defined]
+    saving._load_state = _load_state
 
 
 _serve_pl_load()
