@@ -1,0 +1,161 @@
+"""The docs' code blocks run: the getting-started and how-to pages cannot drift from the code.
+
+A fenced ``python`` or ``bash`` block preceded by an HTML comment (invisible on the site) is
+run::
+
+    <!-- test: run -->                      one process: ``python block.py`` / ``bash -e``
+    <!-- test: run torchrun=2 -->           ``torchrun --standalone --nproc-per-node 2 block.py``
+    <!-- test: run requires=lightning -->   skipped unless every named module imports
+
+Options combine (``torchrun=2 requires=deepspeed env=DS_ACCELERATOR=cpu``). The runnable
+blocks of one page run in order, in one fresh directory (a ``bash`` block can look at what the
+``python`` block before it saved), each in its own process with a hard timeout that kills its
+whole process group. ``safeckpt`` and ``torchrun`` on ``PATH`` are this interpreter's.
+
+Blocks without the comment are illustrations (fragments, endpoints that need a real cloud
+account); every page's build is checked by ``mkdocs build --strict`` (``make docs``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# Pages whose runnable blocks are executed; every page under docs/ is scanned so that a marker
+# on a page not listed here is an error rather than silently ignored.
+EXECUTED = ("getting-started.md", "how-to/")
+TIMEOUT = {"python": 120.0, "bash": 60.0}
+MARK = re.compile(r"^<!--\s*test:\s*run\b(?P<opts>[^>]*)-->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled", "DISABLE_MLFLOW_INTEGRATION": "TRUE", "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    "SAFECKPT_TIMEOUT": "60",
+}
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    lang: str
+    code: str
+    torchrun: int = 0
+    requires: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def parse(page: Path) -> list[Block]:
+    """The marked blocks of one page, in order."""
+    lines = page.read_text().split("\n")
+    rel = page.relative_to(DOCS).as_posix()
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = MARK.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        f = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
+        if not f or f.group("lang") not in ("python", "bash"):
+            raise AssertionError(f"{rel}:{i + 1}: a test marker must precede a ```python or ```bash block")
+        indent, body, j = f.group("indent"), [], i + 2
+        while not lines[j].strip().startswith("```"):
+            body.append(lines[j][len(indent):])
+            j += 1
+        block = Block(rel, i + 2, f.group("lang"), "\n".join(body) + "\n")
+        for opt in shlex.split(m.group("opts")):
+            key, _, value = opt.partition("=")
+            if key == "torchrun":
+                block.torchrun = int(value)
+            elif key == "requires":
+                block.requires = value.split(",")
+            elif key == "env":
+                k, _, v = value.partition("=")
+                block.env[k] = v
+            else:
+                raise AssertionError(f"{rel}:{i + 1}: unknown test option {opt!r}")
+        out.append(block)
+        i = j + 1
+    return out
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def executed(page: Path) -> bool:
+    rel = page.relative_to(DOCS).as_posix()
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in EXECUTED)
+
+
+def _run(block: Block, cwd: Path) -> None:
+    env = {**os.environ, **OFFLINE_ENV, **block.env}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    script = cwd / f"block_{block.line}.{'py' if block.lang == 'python' else 'sh'}"
+    script.write_text(block.code)
+    if block.lang == "bash":
+        cmd = ["bash", "-euo", "pipefail", str(script)]
+    elif block.torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={block.torchrun}", str(script)]
+    else:
+        cmd = [sys.executable, str(script)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT[block.lang])
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{block.name}: no result within {TIMEOUT[block.lang]:.0f} s (killed)\n{out[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{block.name}: exit status {proc.returncode} after {time.monotonic() - t0:.1f} s\n"
+                    f"--- block ---\n{block.code}--- output ---\n{out[-6000:]}")
+
+
+def _missing(block: Block) -> list[str]:
+    return [m for m in block.requires if importlib.util.find_spec(m) is None]
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if executed(p)],
+                         ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_page_examples_run(page: Path, tmp_path: Path) -> None:
+    blocks = parse(page)
+    if not blocks:
+        pytest.skip("no runnable blocks")
+    missing = sorted({m for b in blocks for m in _missing(b)})
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    for block in blocks:
+        _run(block, tmp_path)
+
+
+def test_markers_only_on_executed_pages() -> None:
+    """A marker on a page whose blocks are not run would promise a check that never happens."""
+    stray = [b.name for p in pages() if not executed(p) for b in parse(p)]
+    assert not stray, f"runnable markers on pages test_docs does not execute: {stray}"
+
+
+def test_every_how_to_page_has_a_runnable_example() -> None:
+    without = [p.relative_to(DOCS).as_posix() for p in pages() if executed(p) and not parse(p)]
+    assert not without, f"pages promised to be executed but with no runnable block: {without}"
