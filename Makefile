@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-load bench-gpu bench-scale clean
+.PHONY: demo test lint docs bench bench-load bench-gpu bench-scale clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench
+	$(MKDOCS)
 	$(BIN)/python -m pytest -q
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or API reference.
+# Offline: no fonts, no CDN. Output in build/site.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+docs: $(STAMP)
+	$(MKDOCS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples bench
