@@ -273,6 +273,69 @@ def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | Non
     return job.run()
 
 
+def overrides_load_state_dict(model: Any) -> bool:
+    """The (unwrapped) model defines its own ``load_state_dict`` (e.g. to accept a resized
+    buffer), which Trainer calls with the loaded weights, and nothing in it is sharded (the
+    override needs full tensors on every rank)."""
+    from .._tree import unwrap_module
+
+    inner = unwrap_module(model)
+    return (type(inner).load_state_dict is not torch.nn.Module.load_state_dict
+            and not is_sharded(model))
+
+
+def read_entry_tensors(path: str, entry: str) -> tuple[Any, Any]:
+    """This rank reads the checkpoint's ``entry`` alone, every chunk checked against its
+    checksum (``CorruptCheckpoint`` otherwise), plus the frozen-parameter fingerprints if the
+    checkpoint holds them (``safeckpt._frozen``): ``(state, fingerprints or None)``."""
+    from .. import _frozen
+    from .._reader import TensorReader, open_manifest
+    from .._storage import resolve, storage_for
+    from .._tree import decode
+
+    ckpt = resolve(path)
+    store = storage_for(ckpt)
+    man = open_manifest(ckpt, store)
+    objects = man["objects"]
+    if entry not in objects:
+        raise IncompatibleCheckpoint(f"checkpoint {path} holds no {entry!r} entry (entries: {sorted(objects)})")
+    reader = TensorReader(ckpt, man, rank=0, verify=True, store=store)
+    try:
+        value = decode(objects[entry]["tree"], reader.new)
+        prints = decode(objects[_frozen.ENTRY]["tree"], reader.new) if _frozen.ENTRY in objects else None
+    finally:
+        reader.close()
+    return value, prints
+
+
+def load_through_override(model: Any, path: str, entry: str, sd: Mapping[str, Any], prints: Any, where: str) -> None:
+    """Trainer's call on the loaded weights, ``model.load_state_dict(state_dict, False)``, with
+    safeckpt's checks around it: frozen parameters saved as fingerprints are verified against the
+    live ones and passed in as they are; missing or unexpected keys the override reports are
+    refused (Trainer only warns)."""
+    from .. import _frozen
+    from .._tree import unwrap_module
+
+    inner = unwrap_module(model)
+    sd = dict(sd)
+    if prints is not None:
+        live = _frozen.frozen_tensors(inner)
+        problems = _frozen.compare({entry: live} if live else {}, prints)
+        if problems:
+            raise IncompatibleCheckpoint(
+                f"{where}: the model's frozen parameters are not the ones {path} was trained on (a "
+                "different base model?); nothing was loaded:\n  " + "\n  ".join(problems[:20]))
+        for name, t in live.items():
+            sd.setdefault(name, t.detach())
+    result = inner.load_state_dict(sd, False)
+    missing = list(getattr(result, "missing_keys", []) or [])
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if missing or unexpected:
+        raise IncompatibleCheckpoint(
+            f"{where}: {type(inner).__name__}.load_state_dict (the model's own) reported missing keys "
+            f"{missing[:20]} and unexpected keys {unexpected[:20]} loading {path}")
+
+
 MAX_HOOK_FILE = 64 << 20
 
 

@@ -366,7 +366,17 @@ class SafeckptTrainerMixin(Trainer):
         path = self._safeckpt_resume["path"]
         state = self._safeckpt_state(loading=True)
         try:
-            common.load_checkpoint(path, state, strict=True, timeout=self.safeckpt_timeout)
+            if common.overrides_load_state_dict(state["model"]):
+                # Trainer calls the model's own load_state_dict on the loaded weights: the model
+                # entry is read (checksums verified) before anything changes, the rest loads in
+                # place, then the override gets the weights (a failure raised on every rank).
+                model = state.pop("model")
+                sd, prints = common.agree_all(lambda: common.read_entry_tensors(path, "model"), "resume")
+                common.load_entries(path, state, timeout=self.safeckpt_timeout, where="resume")
+                common.agree_all(lambda: common.load_through_override(model, path, "model", sd, prints, "resume"),
+                                 "resume")
+            else:
+                common.load_checkpoint(path, state, strict=True, timeout=self.safeckpt_timeout)
         except IncompatibleCheckpoint as exc:
             raise IncompatibleCheckpoint(
                 f"cannot resume from {path}: it does not hold exactly what this Trainer saves "
@@ -383,7 +393,13 @@ class SafeckptTrainerMixin(Trainer):
 
     def _load_best_model(self) -> None:
         path = os.path.realpath(self.state.best_model_checkpoint)
-        common.load_entries(path, {"model": self._safeckpt_model()}, timeout=self.safeckpt_timeout,
+        model = self._safeckpt_model()
+        if common.overrides_load_state_dict(model):  # Trainer calls the model's own
+            where = "load_best_model_at_end"
+            sd, prints = common.agree_all(lambda: common.read_entry_tensors(path, "model"), where)
+            common.agree_all(lambda: common.load_through_override(model, path, "model", sd, prints, where), where)
+            return
+        common.load_entries(path, {"model": model}, timeout=self.safeckpt_timeout,
                             where="load_best_model_at_end")
 
     # ------------------------------------------------------------------ save
