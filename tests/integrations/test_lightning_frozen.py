@@ -68,8 +68,25 @@ def _lora_class():
     return LoraNet
 
 
+def _override_class():
+    base = _lora_class()
+
+    class LoraNetOverride(base):
+        """Overrides load_state_dict: Lightning's own call gets the state dict (frozen base
+        included, verified), not the in-place load."""
+
+        calls = 0
+
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            type(self).calls += 1
+            assert "base.weight" in state_dict and "lora_a.weight" in state_dict, sorted(state_dict)
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    return LoraNetOverride
+
+
 def _fit(root: str, epochs: int, world: int, ckpt_path=None, frozen: str = "fingerprint",
-         base_seed: int = 7, scramble: int = 0):
+         base_seed: int = 7, scramble: int = 0, cls=None):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -78,7 +95,7 @@ def _fit(root: str, epochs: int, world: int, ckpt_path=None, frozen: str = "fing
     pl.seed_everything(0, verbose=False)
     if scramble:
         torch.manual_seed(scramble)
-    model = _lora_class()(base_seed=base_seed)
+    model = (cls or _lora_class())(base_seed=base_seed)
     ckpt = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), save_top_k=-1, save_last=True,
                            filename="{epoch}-{step}")
     trainer = pl.Trainer(
@@ -132,6 +149,12 @@ def _scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     out["resumed_from"] = trainer.ckpt_path
     out["diff"] = _diff(ref, _state(model, trainer))
 
+    # A load_state_dict override: loaded through Lightning's call with a complete state dict.
+    model, trainer = _fit(os.path.join(root, "override"), 4, world, scramble=4, cls=_override_class(),
+                          ckpt_path=os.path.join(run, "ckpts", "epoch=1-step=8.ckpt"))
+    out["override_calls"] = type(model).calls
+    out["override_diff"] = _diff(ref, _state(model, trainer))
+
     # frozen="full": the base is stored, and the checkpoint has no fingerprints.
     full = os.path.join(root, "full")
     _fit(full, 1, world, frozen="full")
@@ -167,6 +190,7 @@ def test_lora_like_module_checkpoints_trainable_tensors_and_verifies_the_base(tm
         # the newest valid checkpoint (step 8: last.ckpt and epoch=1-step=8.ckpt are the same step)
         assert r["resumed_from"] in (str(ckpts / "last.ckpt"), str(ckpts / "epoch=1-step=8.ckpt")), r["resumed_from"]
         assert r["diff"] == [], r["diff"]  # bit-exact with the uninterrupted run
+        assert r["override_calls"] == 1 and r["override_diff"] == [], r
         assert r["offline_diff"] == [] and r["offline_class"] == "LoraNet", r["offline_diff"]
         off = r["offline_other"]
         assert not off["ok"] and "IncompatibleCheckpoint" in off["mro"] and "'base.weight'" in off["msg"], off
