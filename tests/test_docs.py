@@ -18,6 +18,7 @@ account); every page's build is checked by ``mkdocs build --strict`` (``make doc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -36,7 +37,7 @@ DOCS = ROOT / "docs"
 # Pages whose runnable blocks are executed; every page under docs/ is scanned so that a marker
 # on a page not listed here is an error rather than silently ignored.
 EXECUTED = ("getting-started.md", "how-to/")
-TIMEOUT = {"python": 120.0, "bash": 60.0}
+TIMEOUT = {"python": 150.0, "bash": 60.0}  # per block; the page's pytest timeout is above the sum
 MARK = re.compile(r"^<!--\s*test:\s*run\b(?P<opts>[^>]*)-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)")
 OFFLINE_ENV = {
@@ -120,23 +121,49 @@ def _run(block: Block, cwd: Path) -> None:
     else:
         cmd = [sys.executable, str(script)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT[block.lang])
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{block.name}: no result within {TIMEOUT[block.lang]:.0f} s (killed)\n{out[-4000:]}")
+    log = cwd / f"block_{block.line}.log"
+    with open(log, "w") as sink:  # a file, not a pipe: a stray grandchild cannot block the read
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=TIMEOUT[block.lang])
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            pytest.fail(f"{block.name}: no result within {TIMEOUT[block.lang]:.0f} s (killed)\n"
+                        f"{log.read_text(errors='replace')[-6000:]}")
+    out = log.read_text(errors="replace")
     if proc.returncode != 0:
         pytest.fail(f"{block.name}: exit status {proc.returncode} after {time.monotonic() - t0:.1f} s\n"
                     f"--- block ---\n{block.code}--- output ---\n{out[-6000:]}")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant (torchrun's workers included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
 
 
 def _missing(block: Block) -> list[str]:
     return [m for m in block.requires if importlib.util.find_spec(m) is None]
 
 
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("page", [p for p in pages() if executed(p)],
                          ids=lambda p: p.relative_to(DOCS).as_posix())
 def test_page_examples_run(page: Path, tmp_path: Path) -> None:
