@@ -186,3 +186,11 @@ def test_markers_only_on_executed_pages() -> None:
 def test_every_how_to_page_has_a_runnable_example() -> None:
     without = [p.relative_to(DOCS).as_posix() for p in pages() if executed(p) and not parse(p)]
     assert not without, f"pages promised to be executed but with no runnable block: {without}"
+
+
+def test_cli_page_lists_the_exit_codes() -> None:
+    """docs/cli.md's exit-code table is EXIT_CODES, row for row (as the README's is)."""
+    from safeckpt._cli_common import EXIT_CODES
+
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", (DOCS / "cli.md").read_text(), re.M)
+    assert [(int(c), m.replace("\\|", "|")) for c, m in rows] == list(EXIT_CODES)
