@@ -78,6 +78,9 @@ def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3,
         names = [p for p in (points or POINTS) if mode in POINTS[p][0]]
     point = rng.choice(names)
     world = rng.choice(list(worlds))
+    if point.endswith("/connect") and _lazy(world):
+        # gloo connects nothing while a lazily connected group is created: no such point
+        point = rng.choice([p for p in names if not p.endswith("/connect")] or names)
     victim = 0 if POINTS[point][1] else rng.randrange(world)
     methods = ["sigkill", "exit"] + (["raise"] if point in RAISE_POINTS else [])
     return {
@@ -86,6 +89,15 @@ def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3,
         "occurrence": rng.randint(1, SAVES - 1), "store_ops": rng.randint(1, 3),
         "keep_last": rng.choice([1, 2]), "timeout": timeout, "store_timeout": 60.0,
     }
+
+
+def _lazy(world: int) -> bool:
+    """Whether safeckpt connects its group's pairs lazily at this world size
+    (SAFECKPT_LAZY_CONNECT, inherited by the jobs)."""
+    from safeckpt import _dist
+
+    lazy = getattr(_dist, "lazy_connect", None)
+    return bool(lazy and lazy(world))
 
 
 # ---------------------------------------------------------------------------- running jobs
