@@ -437,6 +437,14 @@ class Coordinator:
         failures = {int(r): err for r, err in decision["failures"].items()}
         raise self._error(phase, failures, hint) from local_exc
 
+    def mark_done(self) -> None:
+        """Coordinator, inside a ``decide`` resolver: its decisive step (the publish) completed.
+        Peers that lose the coordinator before its decision arrives then learn that it did,
+        even if it dies during what the resolver does next (retention)."""
+        state = self._state
+        if state is not None and self.is_coordinator:
+            self._mark(f"{state.key}/done/{state.seq + 1}", 1)  # the seq of the coming broadcast
+
     def _raise_local(self, phase: str, exc: BaseException, err: dict[str, Any], hint: str) -> None:
         if isinstance(exc, CheckpointError):
             raise exc

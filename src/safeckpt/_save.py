@@ -501,6 +501,9 @@ class _SaveJob:
         remember_published(self.store, self.target, head)
         info = self._committed_info(head, files)
         if self.after_commit is not None:
+            mark = getattr(self.coord, "mark_done", None)
+            if mark is not None:
+                mark()  # published: a peer that loses rank 0 during retention can tell
             try:
                 self.after_commit(self.step)
             except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: say so on every rank
