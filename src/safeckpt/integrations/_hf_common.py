@@ -50,20 +50,24 @@ def share_from_rank0(fn: Callable[[], Any]) -> Any:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
         return fn()
-    box: list[Any] = [None]
-    local: Exception | None = None
-    if dist.get_rank() == 0:
+    from .._dist import Coordinator
+
+    local: list[Exception] = []
+
+    def on_rank0(_: Any) -> dict[str, Any]:
         try:
-            box[0] = {"ok": fn()}
+            return {"ok": fn()}
         except Exception as exc:  # noqa: BLE001 - sent to every rank, re-raised below
-            box[0] = {"error": f"{type(exc).__name__}: {exc}"}
-            local = exc
-    dist.broadcast_object_list(box, src=0)
-    if local is not None:
-        raise local
-    if "error" in box[0]:
-        raise CheckpointError(f"rank 0 failed (rank {dist.get_rank()} stops too): {box[0]['error']}")
-    return box[0]["ok"]
+            local.append(exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    # safeckpt's own group, JSON on the wire (never the job's group, never pickle)
+    box = Coordinator(what="a decision of rank 0").decide("share", lambda: None, on_rank0)
+    if local:
+        raise local[0]
+    if "error" in box:
+        raise CheckpointError(f"rank 0 failed (rank {dist.get_rank()} stops too): {box['error']}")
+    return box["ok"]
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -351,8 +355,11 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         local = exc
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if local is None else f"{type(local).__name__}: {local}")
+        from .._dist import Coordinator
+
+        # on safeckpt's own group, as JSON (never the job's group, never pickle)
+        error = None if local is None else f"{type(local).__name__}: {local}"
+        errors = Coordinator(what=where).run("agree-all", lambda: error)
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         if bad and local is None:
             raise CheckpointError(f"{where} failed on " + "; ".join(f"rank {r}: {e}" for r, e in bad)
