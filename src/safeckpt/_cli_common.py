@@ -23,7 +23,7 @@ EXIT_INTERNAL = 70  # an unexpected exception: a bug in safeckpt (sysexits EX_SO
 EXIT_IO = 74  # the operating system or a storage service refused (permission, disk full, credentials)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 EXIT_PIPE = 141  # whoever read our output went away (128 + SIGPIPE), as `cmd | head` reports it
-EXIT_CODES: tuple[tuple[int, str], ...] = (  # the README's CLI table lists exactly these
+EXIT_CODES: tuple[tuple[int, str], ...] = (  # docs/cli.md's table lists exactly these
     (0, "success (sound, identical, done)"),
     (EXIT_DIFFERENT, "`diff` found differences; or a safeckpt error with no more specific code "
                      "(`--only` matches nothing, a pickle refused)"),

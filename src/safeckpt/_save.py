@@ -74,10 +74,11 @@ def save(
     """Save ``state`` to the directory ``path`` (collective: every rank calls it identically).
 
     The checkpoint appears atomically and complete, or not at all. ``check_replicas`` controls
-    the check that replicated tensors are identical on every rank: ``"auto"`` (error when a
-    DDP-wrapped module is in ``state``, else off), ``"error"``, ``"warn"`` or ``"off"``.
+    the check that replicated tensors are identical on every rank (each is written once, from
+    one rank): ``"auto"`` (``"error"`` whenever there is more than one rank, off for one),
+    ``"error"`` (RankMismatch naming the tensors, nothing written), ``"warn"`` or ``"off"``.
     ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
-    credentials; see the README's "Remote roots"); ignored for local paths.
+    credentials; see docs/how-to/object-stores.md); ignored for local paths.
     """
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas must be one of {CHECK_REPLICAS}, got {check_replicas!r}")

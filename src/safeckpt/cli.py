@@ -11,7 +11,7 @@ Commands (``safeckpt COMMAND --help`` for options)::
                          one full (unsharded) state dict in a plain safetensors file
     convert SRC DST      import DCP / torch.save (--from), export to Hugging Face (--to hf)
 
-Exit codes (``EXIT_CODES`` in ``_cli_common``, the README's table): 0 success; 1 ``diff`` found
+Exit codes (``EXIT_CODES`` in ``_cli_common``, docs/cli.md's table): 0 success; 1 ``diff`` found
 differences, or a safeckpt error with no more specific code; 2 usage error or no checkpoint (file,
 directory) of the needed kind at a path; 3 an import's save failed; 5 corrupt; 7 a live writer
 holds the root; 8 the output exists; 70 internal error (a bug); 74 the system or the object
@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``safeckpt`` console script; returns the exit code.
 
     Every failure is one line on stderr (``safeckpt CMD: error: ...``) and an exit code from
-    the table in the README (``EXIT_CODES``); ``--debug`` also prints the traceback."""
+    the table in docs/cli.md (``EXIT_CODES``); ``--debug`` also prints the traceback."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)

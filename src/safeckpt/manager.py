@@ -42,7 +42,9 @@ class CheckpointManager:
         root: local or shared-filesystem directory, or an fsspec URL (``s3://bucket/prefix``;
             needs the ``remote`` extra and the scheme's filesystem package).
         keep_last: keep the newest N checkpoints (None keeps all).
-        keep_best, best_metric, best_mode: also keep the N best by a metric passed to save().
+        keep_best: also keep the N best checkpoints by ``best_metric``.
+        best_metric: the name of a metric passed to save() (``metrics={...}``) that ranks them.
+        best_mode: ``"min"`` (lower is better) or ``"max"``.
         keep_every: also keep every checkpoint whose step is divisible by this.
         async_save: save() returns once the state is copied aside; writing and committing
             happen in the background (see ``wait``).
@@ -51,7 +53,7 @@ class CheckpointManager:
             leave signal handling alone.
         lease: seconds after its last heartbeat that a crashed writer's lock expires.
         storage_options: for a URL root, the fsspec filesystem's options (endpoint,
-            credentials, ...; see the README's "Remote roots"); ignored for local roots.
+            credentials, ...; see docs/how-to/object-stores.md); ignored for local roots.
         retention: an object with ``delete(checkpoints, protect) -> steps`` (as
             :meth:`RetentionPolicy.delete`) used instead of the keep_* arguments, e.g. to apply
             a framework's own rotation rule; ``protect`` holds the step just saved and the
