@@ -1,13 +1,17 @@
-"""Share checksum verification among the ranks of one machine.
+"""Share checksum verification among the ranks of one machine, without exchanging anything.
 
 A load verifies every chunk before copying it into place (a failed load changes nothing).
 When several ranks on one machine load the same replicated bytes, each of them hashing all of
 them multiplies the CPU cost of that pass by the number of ranks, and they share one page
-cache: a chunk one rank verified is, byte for byte, the pages the others copy from. So ranks
-that read the checkpoint through the same page cache (same kernel boot, same directory inode)
-split the chunks they need between them, each verifying a share, largest chunks first to
-the least-loaded rank that needs the chunk. A failure anywhere fails the collective check
-phase on every rank, before anything is copied. Ranks on other machines, and object stores,
+cache: a chunk one rank verified is, byte for byte, the pages the others copy from.
+
+So the ranks of one machine (torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE) split the replicated
+chunks they copy whole by a rule each computes alone (:func:`split_shared`: largest first to the
+least-loaded local rank), and report with their check (no extra round) their page-cache id and
+a digest of the list. The coordinator confirms that every machine's ranks were all there, on
+one page cache, with the same list (:func:`shares_complete`); if not, the ranks verify what
+they left to the others in one more round before anything is applied. A failure anywhere fails
+the check on every rank, before anything is copied. Object stores and ranks without LOCAL_*
 verify everything they read themselves.
 """
 
