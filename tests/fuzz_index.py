@@ -151,9 +151,10 @@ def _index_edit(rng: random.Random, v: BaseView, name: str) -> tuple[str, bytes,
     if kind == "shift" and chunks:
         i = rng.randrange(len(chunks))
         d = rng.choice([1, -1, 4, 8, 1 << 20, -(1 << 20)])
+        empty = chunks[i][3] == chunks[i][4]  # no bytes: where it "is" does not matter while inside the data
         chunks[i][3] += d
         chunks[i][4] += d
-        return f"chunk {i} ({chunks[i][0]!r:.40}) byte range shifted by {d}", _idx_dumps(obj), True
+        return f"chunk {i} ({chunks[i][0]!r:.40}) byte range shifted by {d}", _idx_dumps(obj), None if empty else True
     if kind == "sizes" and chunks:  # a box and its bytes grown together (into the next chunk)
         i = rng.randrange(len(chunks))
         c = chunks[i]
