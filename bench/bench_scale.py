@@ -242,9 +242,8 @@ def main() -> None:
             dcp_reps = args.dcp_reps if args.dcp_reps is not None else (args.reps if world <= 32 else 1)
             row = run_world(world, layout, args.reps, dcp_reps, args.root, args.timeout)
             rows.append(row)
-            print(f"# {layout} x {world}: {time.monotonic() - started:.0f}s "
-                  f"save {1e3 * row['save']:.0f} ms (DCP {1e3 * row['dcp_save']:.0f}), "
-                  f"load {1e3 * row['load']:.0f} ms (DCP {1e3 * row['dcp_load']:.0f})", file=sys.stderr, flush=True)
+            print(f"# {layout} x {world}: {time.monotonic() - started:.0f}s\n" + _table([row]).splitlines()[-1],
+                  file=sys.stderr, flush=True)  # each row as it comes: a later world size may not fit
     text = (f"safeckpt {safeckpt.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
             f"{args.reps} reps (medians; DCP: {args.dcp_reps or 'reps up to 32 ranks, 1 above'}), "
             f"{N_TENSORS} tensors, root {args.root}\n\n" + _table(rows))
