@@ -10,9 +10,10 @@ real path is outside the checkpoint (OUTSIDE_READ); peak RSS growth over 200 MB 
 
 Outcomes (a mutant may have several bad ones):
 
-- CAUGHT: every reader refused it with a CheckpointError (verify: ``ok=False``). Format 3: a
-  forged inconsistency confined to a file a 1-process load does not read may load the original
-  values (bit-exact) while verify and read_state_dict refuse it; that counts as BENIGN.
+- CAUGHT: every reader refused it with a CheckpointError (verify: ``ok=False``). A forged
+  inconsistency confined to a file a 1-process read does not open (rank 1's index, per-rank
+  copy or recorded size) may load the original values (bit-exact) while verify refuses it;
+  that counts as BENIGN.
 - BENIGN: something loaded, and what loaded equals the original (and the manifest's parsed
   JSON is unchanged, e.g. whitespace, key order).
 - FORGED_LOADED: a forged (checksum recomputed) consistent edit loaded its new values.
@@ -276,11 +277,12 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
 
     edited = (m.changed and not m.forged) or (m.forged and m.invalid is True)
     new_values_ok = m.forged and m.invalid is not True
-    # Format 3: a load reads only the indexes of the files it needs, so a forged inconsistency
-    # confined to another rank's file (e.g. rank 1's index at a 1-process load) may load the
-    # original values exactly, as long as verify and read_state_dict (every index) refuse it.
-    partial = (m.forged and not m.base.endswith(".f2") and not calls["verify_deep"].get("verified")
-               and not calls["verify_shallow"].get("verified") and not calls["read"]["ok"])
+    # Readers open only the files (format 3: the indexes) they need, so a forged inconsistency
+    # confined to a file a 1-process read does not use (rank 1's index or per-rank copy, its
+    # size) may load the original values bit-exact (diff checked below), as long as verify
+    # (which checks every file and index) refuses it.
+    partial = (m.forged and not calls["verify_deep"].get("verified")
+               and not calls["verify_shallow"].get("verified"))
     for name, c in calls.items():
         exc = c.get("exc")
         if exc and not exc["proper"]:
@@ -300,7 +302,7 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         c = calls[name]
         if c["ok"] and c["diff"] and not new_values_ok:
             add("SILENT", f"{name} loaded different values without error: {c['diff']}")
-        elif c["ok"] and edited and not (name == "load" and partial):
+        elif c["ok"] and edited and not partial:
             add("SILENT", f"{name} succeeded on an edited manifest")
     if calls["verify_deep"].get("verified"):
         for name in ("read", "load"):
