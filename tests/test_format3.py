@@ -382,3 +382,47 @@ def test_differing_replicas_in_warn_mode_warn_on_every_rank_and_save(tmp_path):
         assert "rank 1: w" in msg and "same" not in msg, msg
     flat = safeckpt.read_state_dict(tmp_path / "ck")
     assert torch.equal(flat["same"], torch.ones(3)) and flat["w"].shape == (4,)
+
+
+def test_a_forged_dtype_that_the_index_contradicts_makes_restore_fall_back(tmp_path):
+    """Fuzz finding: a re-signed manifest saying F64 for an F32 tensor raised
+    IncompatibleCheckpoint (the state's fault: no fallback) before the index was read."""
+    import warnings
+
+    state = {"t": torch.ones(4)}
+    with safeckpt.CheckpointManager(tmp_path, keep_last=None, preemption_signals=()) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, {"t": torch.full((4,), 2.0)})
+    newest = tmp_path / "step-0000000002" / "manifest.json"
+    man = json.loads(newest.read_text())
+    man["tensors"]["t"]["dtype"] = "F64"
+    newest.write_bytes(encode_manifest({k: v for k, v in man.items() if k != CHECKSUM_FIELD}))
+    target = {"t": torch.zeros(4, dtype=torch.float64)}
+    with pytest.raises(safeckpt.CorruptCheckpoint):
+        safeckpt.load(tmp_path / "step-0000000002", target)
+    assert torch.equal(target["t"], torch.zeros(4, dtype=torch.float64))
+    state = {"t": torch.zeros(4)}
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with safeckpt.CheckpointManager(tmp_path, preemption_signals=()) as mgr:
+            assert mgr.restore(state) == 1
+    assert torch.equal(state["t"], torch.ones(4))
+
+
+def _uneven(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.ones(3 if rank == 0 else 1, 2)  # 3 + 1 rows where the chunk rule gives 2 + 2
+    t = DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size([4, 2]), stride=(2, 1), run_check=False)
+    return dist_harness.attempt(lambda: safeckpt.save(f"{root}/ck", {"w": t}))
+
+
+@pytest.mark.timeout(120)
+def test_uneven_from_local_shards_are_refused_on_every_rank_before_writing(tmp_path):
+    out = dist_harness.run(_uneven, 2, str(tmp_path), timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        assert not o.value["ok"] and "uneven shards" in o.value["msg"], o.value
+    assert not (tmp_path / "ck").exists()

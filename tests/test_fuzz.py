@@ -31,21 +31,9 @@ SAMPLE_CALLS = tuple(c for c in CALLS if c != "cli")  # the CLI runs in the full
 KNOWN: dict[str, str] = {}
 
 
-def _verify_skips_chunk_checksums(r: dict[str, Any]) -> bool:
-    m = r["mutant"]
-    return (m["cls"] == "forged.data" and "chunk checksum left as it was" in m["desc"]
-            and set(r["bad"]) <= {"SILENT", "VERIFY_OK_BUT_LOAD_FAILS"})
-
-
 # Known library findings, matched per mutant (so other mutants with the same label still fail),
 # each with the reason; strict: the test fails once a finding no longer reproduces.
-KNOWN_FINDINGS: dict[str, tuple[Any, str]] = {
-    "verify-skips-chunk-checksums": (
-        _verify_skips_chunk_checksums,
-        "verify(deep=True) checks each file's xxh3-128, not each chunk's xxh3-64: a file whose "
-        "chunk bytes disagree with their recorded checksum but whose file checksum was recomputed "
-        "(a buggy writer) verifies OK while every load raises CorruptCheckpoint"),
-}
+KNOWN_FINDINGS: dict[str, tuple[Any, str]] = {}  # none left: verify(deep=True) now checks chunks
 
 
 def _known(r: dict[str, Any]) -> bool:

@@ -183,6 +183,7 @@ class _LoadJob:
         self.optim_plans: dict[str, _optim.OptimPlan] = {}
         self._names: dict[int, str] | None = None
         self.boxes: dict[str, Any] = {}  # key -> local box of each target copied into in place
+        self.mismatched: list[str] = []  # keys whose saved dtype/shape differ from the target's
         self.share: dict[str, Any] | None = None  # how this rank shares verification (see check)
         self.shared_skipped: list[tuple[str, int, int]] = []  # chunks another rank of this machine verifies
         self.saved_world = int(man.get("world_size", 1))
@@ -278,6 +279,7 @@ class _LoadJob:
                 rec = self.record(key)
                 leaf = have[key]  # its shape and dtype code, computed once when it was made
                 if leaf.shape != rec["shape"] or leaf.dtype != rec["dtype"]:
+                    self.mismatched.append(key)
                     problems.append(
                         f"key {key!r}: checkpoint has {rec['dtype']}{rec['shape']}, "
                         f"target has {leaf.dtype}{leaf.shape}"
@@ -287,6 +289,10 @@ class _LoadJob:
             self.targets[name] = matched
         self.boxes = {key: local_box(leaf.tensor) if leaf.scope == "sharded" else [[0] * len(leaf.shape), leaf.shape]
                       for matched in self.targets.values() for key, leaf in matched.items()}
+        if self.mismatched and self.layout is not None:
+            # A signed manifest whose dtype or shape the files' indexes contradict is damage,
+            # not a state that does not fit (restore falls back past damage): check them first.
+            self.layout.view(self.layout.files_for([(k, None) for k in self.mismatched], self.rank))
         if problems and self.strict:
             raise IncompatibleCheckpoint(
                 f"checkpoint {self.dir} does not fit the state (strict load):\n  "

@@ -97,6 +97,17 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
                 continue
             if digest != rec.get("xxh3_128"):
                 problems.append(f"{name}: checksum mismatch (corrupt data)")
+    if deep and not problems:
+        # Every chunk against its own checksum too, as a load checks it: a file rewritten with
+        # its whole-file checksum recomputed (a buggy tool) must not verify and then fail to load.
+        reader = TensorReader(ckpt, man, rank=0, verify=True, store=store)
+        try:
+            reader.check_idents(sorted({(c["file"], c["start"], c["end"]) for rec in man["tensors"].values()
+                                        for c in rec.get("chunks", ()) if c["end"] > c["start"]}))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+        finally:
+            reader.close()
     for name, rec in sorted(man.get("extra", {}).items()):  # a framework's own files (format 3)
         path = safe_file_path(ckpt, name)
         size = store.size(path)

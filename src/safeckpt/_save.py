@@ -257,6 +257,12 @@ class _SaveJob:
             if leaf.scope != "sharded" or k in self.aliases:
                 continue
             box = _local_box(leaf.tensor)
+            if list(local_of(leaf.tensor).shape) != box[1]:
+                raise CheckpointError(
+                    f"DTensor {k!r}: its local shard has shape {list(local_of(leaf.tensor).shape)} but its "
+                    f"placements {list(leaf.tensor.placements)} give this rank {box[1]} (uneven shards "
+                    "from DTensor.from_local are not supported: every reader would refuse them). "
+                    "Nothing was written.")
             dims = dims_of(leaf.tensor)
             if dims is not None:
                 rec = self.meshes[id(leaf.tensor.device_mesh)][0]
