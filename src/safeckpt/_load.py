@@ -203,7 +203,9 @@ class _LoadJob:
             self.reader.close()
 
     def _tree_for(self, name: str, value: Any) -> Any:
-        """The saved tree to load into ``value``, or NO_COPY when this rank has none."""
+        """The saved tree to load into ``value``, or NO_COPY when this rank has none. (Its
+        warnings point at the caller of ``load``: _tree_for < plan < check < decide < _load <
+        load < caller, stacklevel 7.)"""
         obj = self.objects[name]
         saved_world = self.saved_world
         per_rank = bool(getattr(value, PER_RANK_ATTR, False)) or (
@@ -214,7 +216,7 @@ class _LoadJob:
         if per_rank and self.rank >= saved_world:
             warnings.warn(
                 f"{name!r} is per-rank state saved by {saved_world} rank(s); rank {self.rank} has "
-                "no saved copy and keeps its current state.", SafeckptWarning, stacklevel=4,
+                "no saved copy and keeps its current state.", SafeckptWarning, stacklevel=7,
             )
             return NO_COPY
         if per_rank and saved_world != self.world_size and self.rank == 0:
@@ -225,7 +227,7 @@ class _LoadJob:
                 rule += f"; the copies saved by ranks {self.world_size}-{saved_world - 1} are not used"
             warnings.warn(
                 f"{name!r} is per-rank state saved by {saved_world} rank(s) and loaded by "
-                f"{self.world_size}: {rule}.", SafeckptWarning, stacklevel=4,
+                f"{self.world_size}: {rule}.", SafeckptWarning, stacklevel=7,
             )
         return obj.get("rank_trees", {}).get(str(self.rank), obj["tree"])
 
