@@ -294,6 +294,11 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         if res["code"] == CLI_INTERNAL or res["traceback"]:
             add("NON_CHECKPOINT_ERROR", f"cli: safeckpt {cmd}: exit {res['code']}: {res['last']} at cli")
     for name in ("verify_deep", "verify_shallow"):
+        # verify(deep=False) reads no tensor bytes: damage that only reading them shows (a
+        # chunk's bytes against its own checksum, under a consistently re-signed file checksum)
+        # is verify(deep=True)'s to find (checked just below), and every load's
+        if name == "verify_shallow" and m.cls == "forged.data":
+            continue
         if calls[name].get("verified") and edited:
             add("SILENT", f"{name}: ok=True for an edited manifest")
     if m.verify_bad and calls["verify_deep"].get("verified"):
