@@ -85,7 +85,7 @@ def _source(cache: str) -> str | None:
             return _gitdir(c)
     target = os.path.join(cache, "lightning.git")
     try:
-        r = _git("clone", "--bare", "--depth", "1", "--branch", TAG, URL, target, timeout=300)
+        r = _git("clone", "--bare", "--depth", "1", "--branch", TAG, URL, target, timeout=90)
     except subprocess.TimeoutExpired:
         return None
     return target if r.returncode == 0 else None
