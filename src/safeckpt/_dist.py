@@ -203,6 +203,15 @@ def _new_gloo_group(timeout: float) -> Any:
     return group
 
 
+def _attempt(fn: Callable[[], Any]) -> tuple[dict[str, Any], BaseException | None]:
+    """A phase's local step as the payload ranks exchange ({"ok", "value"} or {"ok", "error"}),
+    and the exception it raised here (None when it returned)."""
+    try:
+        return {"ok": True, "value": fn()}, None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        return {"ok": False, "error": describe_exception(exc)}, exc
+
+
 def describe_exception(exc: BaseException) -> dict[str, Any]:
     tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
     return {
@@ -345,12 +354,7 @@ class Coordinator:
         commit: it published) though the phase failed; when a peer was lost and whether the
         coordinator completed is unknown, the message says so and gives both.
         """
-        local_exc: BaseException | None = None
-        try:
-            payload: dict[str, Any] = {"ok": True, "value": fn()}
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            local_exc = exc
-            payload = {"ok": False, "error": describe_exception(exc)}
+        payload, local_exc = _attempt(fn)
         if self.world_size == 1:
             results = [payload]
         else:
@@ -359,10 +363,8 @@ class Coordinator:
         if done_hint and results[0]["ok"]:
             hint = done_hint
         if failures and self.world_size == 1:
-            if isinstance(local_exc, CheckpointError):
-                raise local_exc
-            text = f"{self.what} failed during {phase!r}: {_one_line(failures[0])}"
-            raise RankFailure("\n".join([text] + ([hint] if hint else [])), {0: _one_line(failures[0])}) from local_exc
+            assert local_exc is not None
+            self._raise_local(phase, local_exc, failures[0], hint)
         if failures:
             raise self._error(phase, failures, hint) from local_exc
         return [res["value"] for res in results]
@@ -381,12 +383,7 @@ class Coordinator:
         of ``resolve``, raises the same error on every rank, as :meth:`run` does; ``done_hint``
         as in :meth:`run` (the coordinator's ``resolve`` completed, e.g. it published).
         """
-        local_exc: BaseException | None = None
-        try:
-            payload: dict[str, Any] = {"ok": True, "value": local()}
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            local_exc = exc
-            payload = {"ok": False, "error": describe_exception(exc)}
+        payload, local_exc = _attempt(local)
         if self.world_size == 1:
             if local_exc is not None:
                 self._raise_local(phase, local_exc, payload["error"], hint)
@@ -446,6 +443,7 @@ class Coordinator:
             self._mark(f"{state.key}/done/{state.seq + 1}", 1)  # the seq of the coming broadcast
 
     def _raise_local(self, phase: str, exc: BaseException, err: dict[str, Any], hint: str) -> None:
+        """One process's failure: a CheckpointError as it is, anything else as RankFailure."""
         if isinstance(exc, CheckpointError):
             raise exc
         text = f"{self.what} failed during {phase!r}: {_one_line(err)}"
