@@ -66,8 +66,13 @@ def check_manifest(man: dict[str, Any], where: str, ckpt: str, *,
     ``file_ok(name)`` raises for an unsafe file name; ``dtype_size(code)`` gives the element
     size of a dtype code or raises for an unknown one (both from :mod:`safeckpt._manifest`).
     """
+    _as_corrupt(_check, man, where, ckpt, file_ok, dtype_size)
+
+
+def _as_corrupt(check: Any, man: dict[str, Any], where: str, ckpt: str, file_ok: Any, dtype_size: Any) -> None:
+    """Run ``check``; whatever it finds wrong is CorruptCheckpoint naming ``where``."""
     try:
-        _check(man, file_ok, dtype_size)
+        check(man, file_ok, dtype_size)
     except _Bad as exc:
         raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
     except CorruptCheckpoint as exc:
@@ -82,10 +87,7 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     tensors = _dict(man.get("tensors"), "'tensors'")
     objects = _dict(man.get("objects"), "'objects'")
     for name, rec in files.items():
-        file_ok(name)
-        rec = _dict(rec, f"file {name!r}")
-        _int(rec.get("size"), f"size of file {name!r}")
-        _hex(rec.get("xxh3_128"), f"checksum of file {name!r}", 32)
+        rec, _ = _file_record(name, rec, file_ok)
         if "rank" in rec:
             _int(rec["rank"], f"rank of file {name!r}", 0, world - 1)
     for key, rec in tensors.items():
@@ -96,6 +98,15 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         elif not _tensor_ok(key, rec, files, world, dtype_size):
             _check_tensor(key, rec, files, world, dtype_size)
     _check_objects(objects, tensors, world)
+
+
+def _file_record(name: str, rec: Any, file_ok: Any) -> tuple[dict[str, Any], int]:
+    """A data file's record (both formats): a safe name, a size and an xxh3-128; (it, size)."""
+    file_ok(name)
+    rec = _dict(rec, f"file {name!r}")
+    size = _int(rec.get("size"), f"size of file {name!r}")
+    _hex(rec.get("xxh3_128"), f"checksum of file {name!r}", 32)
+    return rec, size
 
 
 def _check_head(man: dict[str, Any]) -> int:
@@ -155,14 +166,7 @@ def check_tree(tree: Any, what: str, tensors: dict[str, Any]) -> set[str]:
 def check_manifest_v3(man: dict[str, Any], where: str, ckpt: str, *, file_ok: Any, dtype_size: Any) -> None:
     """:func:`check_manifest` for format 3 (chunks in per-file indexes, see ``_format3``): every
     field of the manifest itself; each file's index is checked against it when it is read."""
-    try:
-        _check_v3(man, file_ok, dtype_size)
-    except _Bad as exc:
-        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
-    except CorruptCheckpoint as exc:
-        raise CorruptCheckpoint(f"{where}: {exc}", path=ckpt) from None
-    except RecursionError:
-        raise CorruptCheckpoint(f"{where}: nested too deeply", path=ckpt) from None
+    _as_corrupt(_check_v3, man, where, ckpt, file_ok, dtype_size)
 
 
 def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
@@ -173,11 +177,8 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     meshes = _list(man.get("meshes", []), "'meshes'")
     has_file: set[int] = set()
     for name, rec in files.items():
-        file_ok(name)
+        rec, size = _file_record(name, rec, file_ok)
         what = f"file {name!r}"
-        rec = _dict(rec, what)
-        size = _int(rec.get("size"), f"size of {what}")
-        _hex(rec.get("xxh3_128"), f"checksum of {what}", 32)
         rank = _int(rec.get("rank"), f"rank of {what}", 0, world - 1)
         if rank in has_file:
             raise _Bad(f"two files of rank {rank}")
