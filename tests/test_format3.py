@@ -21,7 +21,7 @@ import safeckpt
 from safeckpt import _dist
 from safeckpt._format3 import Layout
 from safeckpt._manifest import CHECKSUM_FIELD, dtype_size, encode_manifest, parse_manifest
-from safeckpt._save import _SaveJob
+from safeckpt._save import _MeshInfo, _SaveJob
 from safeckpt._sharding import Mesh, box_at, overlapping, writes
 from safeckpt._tree import Leaf
 from tests import dist_harness
@@ -75,7 +75,7 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
     job = _SaveJob(_Coord(0, world), "/synthetic", {}, {}, False, 100, {}, "off")
     job.leaves = leaves
     mesh_rec = {"shape": [world], "start": 0}
-    job.meshes = {id(mesh): (mesh_rec, json.dumps(mesh_rec, sort_keys=True))}
+    job.meshes = {id(mesh): _MeshInfo(mesh_rec, json.dumps(mesh_rec, sort_keys=True), Mesh(mesh_rec))}
     plan = job._new_plan()
     m = Mesh(plan.meshes[0])
     files, index_bytes = {}, {}

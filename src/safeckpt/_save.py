@@ -205,7 +205,7 @@ class _SaveJob:
         self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
                            for k in ddp_broadcast_buffers(name, v)
                            if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
-        self.meshes: dict[int, tuple[Any, str]] = {}  # id(mesh) -> (record, its JSON), this save
+        self.meshes: dict[int, _MeshInfo] = {}  # id(device mesh) -> its record, this save
         layout = self._layout()
         self.layout = layout
         # A digest for the other ranks to compare with theirs; one rank agrees with itself, and
@@ -246,8 +246,8 @@ class _SaveJob:
         known = self.meshes.get(id(mesh))
         if known is None:
             rec = mesh_record(t)
-            known = self.meshes[id(mesh)] = (rec, json.dumps(rec, sort_keys=True))
-        return [known[1], dims_of(t) or [str(p) for p in t.placements]]
+            known = self.meshes[id(mesh)] = _MeshInfo(rec, json.dumps(rec, sort_keys=True), Mesh(rec))
+        return [known.json, dims_of(t) or [str(p) for p in t.placements]]
 
     def _irregular_boxes(self) -> dict[str, Any]:
         """This rank's box of every sharded tensor the DTensor rule does not describe here."""
@@ -265,9 +265,9 @@ class _SaveJob:
                     "Nothing was written.")
             dims = dims_of(leaf.tensor)
             if dims is not None:
-                rec = self.meshes[id(leaf.tensor.device_mesh)][0]
-                coord = Mesh(rec).coord_of(rank)
-                if coord is not None and list(box_at(leaf.shape, rec["shape"], coord, dims)) == box:
+                mesh = self.meshes[id(leaf.tensor.device_mesh)].mesh
+                coord = mesh.coord_of(rank)
+                if coord is not None and list(box_at(leaf.shape, mesh.shape, coord, dims)) == box:
                     continue
             out[k] = box
         return out
@@ -366,14 +366,13 @@ class _SaveJob:
         for k in keys:
             leaf = self.leaves[k]
             dims = dims_of(leaf.tensor)
-            rec = self.meshes[id(leaf.tensor.device_mesh)][0]
-            mesh = Mesh(rec)
+            mesh = self.meshes[id(leaf.tensor.device_mesh)].mesh
             holders: dict[str, list[int]] = {}
             for r, b in enumerate(boxes):
                 box = b.get(k)
                 if box is None and dims is not None:
                     coord = mesh.coord_of(r)
-                    box = list(box_at(leaf.shape, rec["shape"], coord, dims)) if coord is not None else None
+                    box = list(box_at(leaf.shape, mesh.shape, coord, dims)) if coord is not None else None
                 if box is not None and 0 not in box[1]:
                     holders.setdefault(json.dumps(box), []).append(r)
             out[k] = [[ranks[zlib.crc32(k.encode()) % len(ranks)], *json.loads(box)]
@@ -408,7 +407,8 @@ class _SaveJob:
         specs: list[tuple[str, str, Any]] = []  # (name in file, key, how to take it from the leaf)
         records: dict[str, tuple[str, list[int], list[int]]] = {}  # name -> (key, offsets, sizes)
         table: dict[str, dict[str, Any]] = {}
-        meshes: list[Any] = []
+        meshes: list[Any] = []  # the manifest's "meshes" records
+        plan_meshes: list[Mesh] = []  # the same meshes, ready for lookups
         mesh_ids: dict[str, int] = {}
 
         def add(name: str, key: str, how: Any, offsets: list[int], sizes: list[int]) -> None:
@@ -424,10 +424,12 @@ class _SaveJob:
                 if k in self.irregular:
                     rec["boxes"] = self.irregular[k]
                 else:
-                    mesh_json = self.meshes[id(leaf.tensor.device_mesh)][1]
+                    info = self.meshes[id(leaf.tensor.device_mesh)]
+                    mesh_json = info.json
                     if mesh_json not in mesh_ids:
                         mesh_ids[mesh_json] = len(meshes)
-                        meshes.append(json.loads(mesh_json))
+                        meshes.append(info.rec)
+                        plan_meshes.append(info.mesh)
                     rec["sharding"] = {"mesh": mesh_ids[mesh_json], "dims": dims_of(leaf.tensor)}
             elif leaf.scope == "replicated":
                 rec["pieces"] = []
@@ -466,7 +468,7 @@ class _SaveJob:
                         add(f"{k}@" + ",".join(map(str, offsets)), k, "local", offsets, sizes)
             else:
                 sh = table[k]["sharding"]
-                box = writes(k, leaf.shape, Mesh(meshes[sh["mesh"]]), sh["dims"], rank)
+                box = writes(k, leaf.shape, plan_meshes[sh["mesh"]], sh["dims"], rank)
                 if box is not None:
                     add(f"{k}@" + ",".join(map(str, box[0])), k, "local", box[0], box[1])
         return _Plan(specs, IndexBuilder(records), manifest_dumps(table), meshes)
@@ -546,6 +548,16 @@ class _SaveJob:
             "rank_trees": rank_trees,
             "meshes": self.plan.meshes,
         }
+
+
+class _MeshInfo(NamedTuple):
+    """A device mesh of this save: its manifest record, that record's JSON (part of the layout
+    hash) and the Mesh built once from it (with explicit ranks, building one is O(ranks): not
+    something to redo for every tensor)."""
+
+    rec: dict[str, Any]
+    json: str
+    mesh: Mesh
 
 
 class _Plan(NamedTuple):
