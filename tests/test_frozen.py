@@ -99,6 +99,26 @@ def test_fingerprint_cache_sees_in_place_changes() -> None:
     assert _frozen.fingerprint(torch.zeros(2, 3, dtype=torch.bfloat16))["dtype"] == "bfloat16"
 
 
+def test_fingerprint_cache_is_not_fooled_by_a_reused_address() -> None:
+    """A freed tensor's address and version counter come back with the next tensor of its size
+    (the allocator reuses the block): the cache must hash the new one, not serve the old digest.
+    Seen in CI: a base model built after a different one passed verification as that one."""
+    served_stale = 0
+    for seed in range(50):
+        old = nn.Parameter(torch.randn(384, 384, generator=torch.Generator().manual_seed(seed)),
+                           requires_grad=False)
+        old_digest, address = _frozen.checksum(old), old.data_ptr()
+        del old
+        new = nn.Parameter(torch.empty(384, 384), requires_grad=False)
+        with torch.no_grad():
+            new.copy_(torch.randn(384, 384, generator=torch.Generator().manual_seed(seed + 1000)))
+        if new.data_ptr() == address:
+            served_stale += _frozen.checksum(new) == old_digest
+        assert _frozen.checksum(new) == _frozen.checksum(new.detach().clone())
+        del new
+    assert served_stale == 0
+
+
 def test_frozen_mode_is_checked(tmp_path) -> None:
     with pytest.raises(ValueError, match="frozen must be one of"):
         safeckpt.CheckpointManager(tmp_path, frozen="skip")

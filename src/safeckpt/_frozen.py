@@ -20,12 +20,14 @@ Loading detects the layout from the checkpoint itself: a checkpoint without :dat
 What is not fingerprinted (saved in full even in ``"fingerprint"`` mode): buffers (they are
 state, not weights, and are usually tiny), DTensor (FSDP2/TP-sharded) parameters (the
 fingerprint of a shard depends on the layout; their bytes are spread over the ranks anyway)
-and meta tensors. Fingerprints of unchanged tensors are cached by storage, offset and the
-tensor's version counter, so a save hashes the frozen weights once per run, not per save.
+and meta tensors. Fingerprints are cached per live tensor object (weakly referenced) with its
+storage, offset and version counter, so a save hashes the frozen weights once per run, not per
+save, and a new tensor at a freed tensor's address is hashed afresh.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -48,8 +50,11 @@ def check_frozen_mode(mode: str) -> str:
 
 
 # --------------------------------------------------------------------------- fingerprints
-_CACHE: dict[tuple, str] = {}
-_CACHE_MAX = 1 << 16
+# id(tensor) -> (weak reference to it, its storage/version key, digest). The weak reference is
+# what makes a hit safe: a freed tensor's address (and id) is reused by the next tensor of the
+# same size, often with the same version counter, so a key of address + version alone served
+# a dead tensor's digest to a new one (a different base model then passed verification).
+_CACHE: dict[int, tuple[weakref.ref, tuple, str]] = {}
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -57,21 +62,31 @@ def _key(t: torch.Tensor) -> tuple:
             t.dtype, t.device.type, t._version)
 
 
+def _forget(ident: int) -> Any:
+    def callback(_ref: weakref.ref) -> None:
+        entry = _CACHE.get(ident)
+        if entry is not None and entry[0] is _ref:
+            del _CACHE[ident]
+    return callback
+
+
 def checksum(t: torch.Tensor) -> str:
-    """xxh3-64 of the tensor's bytes in row-major order, as 16 hex digits (cached)."""
+    """xxh3-64 of the tensor's bytes in row-major order, as 16 hex digits (cached while the
+    tensor object lives and its storage, view and version are unchanged)."""
     key = _key(t)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
+    hit = _CACHE.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == key:
+        return hit[2]
     flat = t.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
     flat = flat.contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else b""
     digest = f"{xxhash.xxh3_64_intdigest(data):016x}"
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.clear()
-    _CACHE[key] = digest
+    try:
+        _CACHE[id(t)] = (weakref.ref(t, _forget(id(t))), key, digest)
+    except TypeError:  # not weak-referenceable: no caching
+        pass
     return digest
 
 
