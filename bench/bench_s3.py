@@ -37,7 +37,7 @@ import torch
 
 import safeckpt
 from safeckpt._reader import open_manifest
-from safeckpt._storage import storage_for
+from safeckpt.storage.base import storage_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -15,7 +15,7 @@ the first), then ``--reps`` timed rounds of safeckpt.save, safeckpt.load, dcp.sa
 dcp.load (FileSystemWriter/Reader) into a fresh directory under ``--root`` (tmpfs by
 default: the disk is not what is measured). Each call starts after a barrier on the default
 group; its time is the slowest rank's. safeckpt's collectives count themselves
-(``safeckpt._dist.STATS``: rounds, bytes sent and received); DCP's are counted by wrapping the
+(``safeckpt.coord.dist.STATS``: rounds, bytes sent and received); DCP's are counted by wrapping the
 torch.distributed calls it makes (rounds; bytes as the pickled size of the objects sent).
 
 Output: a Markdown table on stdout and ``bench/results/scale.md``, medians of the reps.
@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp  # imported here, before the fork: ra
 import torch.multiprocessing as mp
 
 import safeckpt
-from safeckpt import _dist
+from safeckpt.coord import dist as _dist
 
 N_TENSORS = 1000
 ROWS = 64  # rows of each FSDP tensor (sharded over the ranks); DDP tensors have 64 elements
@@ -262,8 +262,8 @@ def constants() -> str:
 
     from torch.distributed import TCPStore
 
-    from safeckpt._dist import SLOT, _decoded, _framed
-    from safeckpt._manifest import parse_manifest
+    from safeckpt.coord.dist import SLOT, _decoded, _framed
+    from safeckpt.format.manifest import parse_manifest
 
     lines = []
     n = 4096

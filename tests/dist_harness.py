@@ -136,6 +136,6 @@ def attempt(fn: Callable[[], Any]) -> dict:
 
 def leftovers(root: Any) -> list[str]:
     """Staging/trash leftovers directly under ``root``."""
-    from safeckpt._manifest import STAGING_MARK, TRASH_MARK
+    from safeckpt.format.manifest import STAGING_MARK, TRASH_MARK
 
     return sorted(n for n in os.listdir(root) if STAGING_MARK in n or TRASH_MARK in n)

@@ -328,7 +328,7 @@ def g_forged_data(rng: random.Random, v: BaseView) -> tuple[Any, ...] | None:
 # ------------------------------------------------------------------ manifest: placement
 def _sharded_boxes(v: BaseView, key: str) -> list[list[Any]]:
     """[rank, offsets, sizes] of every stored chunk of a tensor placed by the sharding rule."""
-    from safeckpt._sharding import Mesh, overlapping
+    from safeckpt.format.sharding import Mesh, overlapping
 
     rec = v.manifest["tensors"][key]
     sh = rec["sharding"]

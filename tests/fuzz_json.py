@@ -27,7 +27,7 @@ def dumps(obj: Any) -> bytes:
 def forge(obj: Any) -> bytes | None:
     """``obj`` encoded with a valid manifest checksum, or None when that cannot be done."""
     try:
-        from safeckpt import _manifest
+        from safeckpt.format import manifest as _manifest
     except Exception:  # noqa: BLE001 - src mid-edit: no forging this run
         return None
     name = getattr(_manifest, "CHECKSUM_FIELD", None)

@@ -95,7 +95,7 @@ def _accepted(forged: bytes | None, ckpt: str) -> bool:
     if forged is None:
         return False
     try:
-        from safeckpt._manifest import parse_manifest
+        from safeckpt.format.manifest import parse_manifest
 
         parse_manifest(forged, ckpt)
         return True

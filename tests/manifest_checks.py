@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
 from safeckpt._reader import open_manifest
+from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
 
 
 def assert_canonical(ckpt_dir: str) -> dict:

@@ -37,7 +37,7 @@ import os, re, sys, time
 import torch
 import torch.distributed as dist
 import safeckpt
-import safeckpt._storage_posix as _posix
+import safeckpt.storage.posix as _posix
 
 mode, root, marks = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
@@ -159,7 +159,7 @@ INJECTED = "No space left on device (injected on rank 1)"
 
 def _patch_writer(rank, delays, failing):
     """Make the background write of step s sleep ``delays[s]``; fail on rank 1 for ``failing``."""
-    import safeckpt._storage_posix as _posix
+    import safeckpt.storage.posix as _posix
 
     real = _posix.write_file
 
@@ -280,7 +280,7 @@ def test_async_errors_snapshot_and_training_group_overlap(tmp_path):
 
 # ----------------------------------------------------------------- kill during a background write
 def _kill_during_background_write(rank, world, root, sync):
-    import safeckpt._shardfile as sf
+    import safeckpt.format.shardfile as sf
 
     mgr = CheckpointManager(root, keep_last=1, async_save=True)
     mgr.save(1, make_state(1))

@@ -21,8 +21,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt import cli
-from safeckpt._lock import LOCK_NAME, RootLock
 from safeckpt._reader import open_manifest
+from safeckpt.coord.lease import LOCK_NAME, RootLock
 
 STAGING = ".step-0000000040.safeckpt-staging-0123abcd"
 TRASH = ".step-0000000005.safeckpt-trash-deadbeef"
@@ -430,7 +430,7 @@ def test_diff_of_a_corrupt_checkpoint_is_an_error(capsys, ckpts, tmp_path):
 
 
 def test_max_abs_diff_edge_values():
-    from safeckpt._cli_diff import _max_abs_diff
+    from safeckpt.cli.diff import _max_abs_diff
 
     a = torch.tensor([1.0, float("nan"), float("inf"), -0.0, 2.0])
     assert _max_abs_diff(a, a.clone()) == 0.0

@@ -27,8 +27,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt import cli
-from safeckpt._cli_common import EXIT_CODES
-from safeckpt._manifest import CHECKSUM_FIELD, MANIFEST, encode_manifest
+from safeckpt.cli.common import EXIT_CODES
+from safeckpt.format.manifest import CHECKSUM_FIELD, MANIFEST, encode_manifest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -264,7 +264,7 @@ def _with_func(parser, command, func):
 
 
 def test_os_errors_have_specific_lines():
-    from safeckpt._cli_errors import describe
+    from safeckpt.cli.exit_codes import describe
 
     cases = [
         (PermissionError(13, "Permission denied", "/x/manifest.json"), 74, "permission denied: /x/manifest.json"),

@@ -1,4 +1,4 @@
-"""Consolidation and format conversion (safeckpt._convert).
+"""Consolidation and format conversion (safeckpt.convert).
 
 One 2-rank FSDP2 run saves the same trained state with safeckpt and with
 torch.distributed.checkpoint (DCP); everything else runs in the test process: consolidate to
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import safeckpt
-from safeckpt import _convert
+from safeckpt import convert as _convert
 from tests import dist_harness
 from tests.test_sharded import (
     _fsdp,

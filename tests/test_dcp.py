@@ -399,7 +399,7 @@ def test_cli_reads_a_dcp_checkpoint(saved4, tmp_path, capsys):
 def _crash(rank, world, root):
     import torch.distributed as dist
 
-    from safeckpt import _shardfile
+    from safeckpt.format import shardfile as _shardfile
 
     torch.manual_seed(0)
     state = {"w": torch.randn(1 << 18), "b": torch.randn(1 << 18), "step": 1}

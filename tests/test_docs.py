@@ -190,7 +190,7 @@ def test_every_how_to_page_has_a_runnable_example() -> None:
 
 def test_cli_page_lists_the_exit_codes() -> None:
     """docs/cli.md's exit-code table is EXIT_CODES, row for row (as the README's is)."""
-    from safeckpt._cli_common import EXIT_CODES
+    from safeckpt.cli.common import EXIT_CODES
 
     rows = re.findall(r"^\| (\d+) \| (.+) \|$", (DOCS / "cli.md").read_text(), re.M)
     assert [(int(c), m.replace("\\|", "|")) for c, m in rows] == list(EXIT_CODES)

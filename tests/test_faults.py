@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._manifest import STAGING_MARK
+from safeckpt.format.manifest import STAGING_MARK
 from tests import dist_harness
 
 CRASH_TIMEOUT = 60.0  # SAFECKPT_TIMEOUT in crash runs: a dead peer must be seen long before it
@@ -74,7 +74,7 @@ def _killed_mid_write(rank, world, root):
     path = os.path.join(root, "ck")
     safeckpt.save(path, _state(1.0))
     if rank == 1:
-        from safeckpt import _shardfile
+        from safeckpt.format import shardfile as _shardfile
 
         real = _shardfile._write_all
         calls = [0]
@@ -115,7 +115,8 @@ def _coordinator_killed_before_publish(rank, world, root):
     path = os.path.join(root, "ck")
     safeckpt.save(path, _state(1.0))
     if rank == 0:
-        from safeckpt import _commit, _save
+        from safeckpt import _save
+        from safeckpt.storage import commit as _commit
 
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -125,7 +125,7 @@ def _fr5_load_right_after_save(rank, world, root):
     """All shards present as soon as save returns; load right away works on every rank."""
     path = os.path.join(root, "fr5", "ck")
     if rank == world - 1:  # make the last rank the slowest writer
-        from safeckpt import _shardfile
+        from safeckpt.format import shardfile as _shardfile
 
         real = _shardfile._write_all
 
@@ -143,7 +143,7 @@ def _fr5_load_right_after_save(rank, world, root):
         safeckpt.save(path, {"model": model, "optim": opt, "rng": safeckpt.RNGState()})
     finally:
         if real is not None:
-            from safeckpt import _shardfile
+            from safeckpt.format import shardfile as _shardfile
 
             _shardfile._write_all = real
     # No barrier, no waiting: the checkpoint is complete for every rank already.
@@ -235,7 +235,7 @@ def _fr3_one_rank_fails(rank, world, root):
     raised = _attempt(lambda: safeckpt.save(path, {"model": model, "v": 2, "loader": Flaky()}, overwrite=True))
 
     if rank == 2:
-        from safeckpt import _shardfile
+        from safeckpt.format import shardfile as _shardfile
 
         real = _shardfile._write_all
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 import safeckpt
-from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
+from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
 from tests import dist_harness
 from tests.manifest_checks import as_format2, assert_canonical
 
@@ -125,7 +125,7 @@ def test_bit_flip_in_state_read_into_fresh_tensors(tmp_path, where):
     """Optimizer state and read_state_dict's tensors are fresh, so they are verified in the same
     pass that reads them (piece by piece): a flip in any piece of a multi-piece chunk still
     fails the load, and the optimizer and model keep their state."""
-    from safeckpt._shardfile import HASH_BUFFER
+    from safeckpt.format.shardfile import HASH_BUFFER
 
     model = nn.Linear(1024, 3 * HASH_BUFFER // 4096 + 7)  # weight chunk spans several pieces
     opt = torch.optim.Adam(model.parameters())

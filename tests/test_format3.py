@@ -1,4 +1,4 @@
-"""Format 3 (src/safeckpt/_format3.py): a manifest of O(tensors + files) with chunk records in
+"""Format 3 (src/safeckpt/format/v3.py): a manifest of O(tensors + files) with chunk records in
 per-file indexes, and a collective protocol whose per-rank cost does not grow with the world.
 
 The 1,024-rank test builds the commit records the save path builds (the same plan code, the
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt import _dist
-from safeckpt._format3 import Layout
-from safeckpt._manifest import CHECKSUM_FIELD, dtype_size, encode_manifest, parse_manifest
 from safeckpt._save import _MeshInfo, _SaveJob
-from safeckpt._sharding import Mesh, box_at, overlapping, writes
-from safeckpt._tree import Leaf
+from safeckpt.coord import dist as _dist
+from safeckpt.format.manifest import CHECKSUM_FIELD, dtype_size, encode_manifest, parse_manifest
+from safeckpt.format.sharding import Mesh, box_at, overlapping, writes
+from safeckpt.format.tree import Leaf
+from safeckpt.format.v3 import Layout
 from tests import dist_harness
 
 # ----------------------------------------------------------------- synthesized
@@ -102,7 +102,7 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
     job.plan = plan
     head = job._manifest_head(files, [])
     objects = {"optim": {"kind": "tree", "tree": {"state": {k: {"@tensor": k} for k in leaves}}}}
-    from safeckpt._manifest_text import encode
+    from safeckpt.format.manifest_text import encode
 
     return encode(head, objects, plan.tensors_json), index_bytes
 
@@ -303,8 +303,8 @@ def test_uneven_fsdp2_shards_saved_at_3_ranks_load_at_2(tmp_path):
 
 
 def test_extra_files_are_committed_with_the_checkpoint_and_verified(tmp_path):
-    from safeckpt._dist import Coordinator
     from safeckpt._save import new_job
+    from safeckpt.coord.dist import Coordinator
 
     path = str(tmp_path / "ck")
     job = new_job(Coordinator(), path, {"model": _model()}, {}, False, 3, {}, "off")

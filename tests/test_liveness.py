@@ -1,4 +1,4 @@
-"""Peer liveness records (safeckpt._liveness): what RankFailure messages rely on to name the
+"""Peer liveness records (safeckpt.coord.liveness): what RankFailure messages rely on to name the
 rank that died and never a live one. Real processes, killed for real."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from safeckpt import _liveness
+from safeckpt.coord import liveness as _liveness
 
 
 def _spawn() -> tuple[subprocess.Popen, dict]:

@@ -190,7 +190,7 @@ def test_gc_is_paused_during_a_load_and_on_again_after(many):
 def test_unmappable_files_are_hashed_through_reads(tmp_path, monkeypatch):
     # Some FUSE mounts refuse mmap: checksums are then computed from preadv reads, and a
     # damaged chunk is still refused before anything is copied.
-    from safeckpt import _shardfile
+    from safeckpt.format import shardfile as _shardfile
 
     g = torch.Generator().manual_seed(3)
     state = {"big": torch.randn(300_000, generator=g), **{f"s{i}": torch.randn(50, generator=g) for i in range(20)}}
@@ -245,7 +245,7 @@ def test_hashing_in_place_keeps_file_pages_out_of_resident_memory(tmp_path, monk
     # The checksum pass hashes through a mapping of the data file; hashed pages are unmapped
     # again (every RELEASE_BYTES and at the end of each call), so the process's resident
     # memory does not grow by the file.
-    from safeckpt import _shardfile
+    from safeckpt.format import shardfile as _shardfile
 
     monkeypatch.setattr(_shardfile, "RELEASE_BYTES", 4 << 20)
     state = {"big": torch.randn(48 << 20 >> 2), "small": torch.randn(1000)}  # 48 MiB
@@ -291,7 +291,7 @@ def test_unmapping_hashed_pages_at_the_end_of_a_file(tmp_path):
     # at the very end, so an empty range there must be skipped, not passed on (ValueError).
     import mmap as _mmap
 
-    from safeckpt._shardfile import _unmap
+    from safeckpt.format.shardfile import _unmap
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * (2 * _mmap.PAGESIZE))

@@ -217,7 +217,7 @@ def test_resume_fallback_and_retention_across_runs(tmp_path):
 
 # ------------------------------------------------------------------ crashed run leftovers
 def _crash_mid_write(rank, world, root, sync):
-    import safeckpt._shardfile as sf
+    import safeckpt.format.shardfile as sf
 
     mgr = CheckpointManager(root, keep_last=3)
     mgr.save(1, make_state(1))
@@ -515,7 +515,7 @@ def test_preemption_on_one_rank_stops_all_at_same_step(tmp_path):
 def test_listing_racing_publish_and_retention_never_misses_the_newest(tmp_path, monkeypatch):
     """A reader's listing taken just before a writer publishes step N and retention moves step
     N-1 aside must not report "no checkpoint" (a reader would think the run starts fresh)."""
-    import safeckpt._catalog as catalog
+    import safeckpt.storage.catalog as catalog
 
     root = tmp_path / "ckpts"
     mgr = CheckpointManager(root, keep_last=None, preemption_signals=())
@@ -548,7 +548,7 @@ def test_read_of_checkpoint_deleted_mid_open_says_not_found(tmp_path, monkeypatc
     """read_state_dict racing retention: the directory passes the existence checks, then is
     moved aside before the manifest is opened. The reader must get CheckpointNotFound (a
     safeckpt error it can count and retry), never a raw OSError."""
-    import safeckpt._manifest as manifest_mod
+    import safeckpt.format.manifest as manifest_mod
 
     root = tmp_path / "ckpts"
     mgr = CheckpointManager(root, keep_last=None, preemption_signals=())
@@ -571,7 +571,7 @@ def test_retention_interrupted_half_way_never_leaves_a_committed_looking_dir(tmp
     restored, and the next save sweeps what is left."""
     import shutil
 
-    import safeckpt._commit as commit
+    import safeckpt.storage.commit as commit
 
     root = tmp_path / "ckpts"
     mgr = CheckpointManager(root, keep_last=1, preemption_signals=())

@@ -15,7 +15,7 @@ import torch
 
 import safeckpt
 from safeckpt import CheckpointManager, cli
-from safeckpt._catalog import DirName, parse_step, scan
+from safeckpt.storage.catalog import DirName, parse_step, scan
 
 
 def _state(v: float) -> dict:

@@ -24,14 +24,15 @@ from fsspec.utils import stringify_path
 from torch import nn
 
 import safeckpt
-from safeckpt import _commit, cli
-from safeckpt._catalog import scan
-from safeckpt._manifest import MANIFEST
-from safeckpt._rangedfile import RemoteFile
+from safeckpt import cli
 from safeckpt._reader import TensorReader, open_manifest
-from safeckpt._shardfile import write_file
-from safeckpt._storage import storage_for
-from safeckpt._storage_fsspec import FsspecStorage
+from safeckpt.format.manifest import MANIFEST
+from safeckpt.format.shardfile import write_file
+from safeckpt.storage import commit as _commit
+from safeckpt.storage.base import storage_for
+from safeckpt.storage.catalog import scan
+from safeckpt.storage.fsspec_store import FsspecStorage
+from safeckpt.storage.ranged import RemoteFile
 from tests import dist_harness
 
 PROTO = "objtest"
@@ -464,7 +465,7 @@ def test_storage_layer_imports_nothing_above_it_and_the_package_has_no_import_cy
 def test_sweep_and_listing_are_best_effort_when_the_store_refuses(tmp_path, monkeypatch):
     """A leftover the store refuses to delete, or uploads the credentials may not list, never
     fail a save or a listing: a warning says what is left behind."""
-    from safeckpt._storage import StorageError
+    from safeckpt.storage.base import StorageError
 
     run = _url(tmp_path / "run")
     with safeckpt.CheckpointManager(run, keep_last=None, preemption_signals=()) as mgr:

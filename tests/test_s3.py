@@ -54,14 +54,14 @@ def _wait_file(path: Path, timeout: float = 60.0) -> None:
 
 
 def _small_parts() -> None:
-    from safeckpt import _storage_s3
+    from safeckpt.storage import s3 as _storage_s3
 
     _storage_s3.PART = SMALL_PART
 
 
 def _kill_after_first_part() -> None:
     """Patch this worker: its next multipart upload SIGKILLs it once part 1 is stored."""
-    from safeckpt._storage_s3 import MultipartWriter
+    from safeckpt.storage.s3 import MultipartWriter
 
     real = MultipartWriter.upload_part
 
@@ -120,7 +120,7 @@ def _scenarios(rank: int, world: int, ep: str, proxy_ep: str, hung_ep: str, auth
     with safeckpt.CheckpointManager("s3://run-a/outage", keep_last=None, preemption_signals=(),
                                     storage_options=popts, timeout=20) as mgr:
         mgr.save(1, _state(1.0, rank, mib=24))
-        from safeckpt._storage_s3 import MultipartWriter
+        from safeckpt.storage.s3 import MultipartWriter
 
         real = MultipartWriter.upload_part
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._manifest import STAGING_MARK, TRASH_MARK
+from safeckpt.format.manifest import STAGING_MARK, TRASH_MARK
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

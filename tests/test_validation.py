@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._manifest import CHECKSUM_FIELD, encode_manifest
 from safeckpt._reader import open_manifest
+from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
 from tests import dist_harness
 from tests.manifest_checks import as_format2
 
@@ -382,8 +382,8 @@ def _rich_manifest(tmp_path) -> dict:
 
 
 def _outcome(man: dict) -> str:
-    from safeckpt._manifest import dtype_size
-    from safeckpt._validate import check_manifest
+    from safeckpt.format.manifest import dtype_size
+    from safeckpt.format.validate import check_manifest
 
     try:
         check_manifest(man, "M", "ckpt", file_ok=lambda n: None, dtype_size=dtype_size)
@@ -398,7 +398,7 @@ def test_validation_fast_paths_agree_with_the_full_checks(tmp_path, monkeypatch)
     the same outcome and message without them."""
     import copy
 
-    from safeckpt import _validate
+    from safeckpt.format import validate as _validate
     from tests.fuzz_json import get, value_edits, walk
 
     base = _rich_manifest(tmp_path)

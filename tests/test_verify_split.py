@@ -1,4 +1,4 @@
-"""Ranks of one machine share the verification of replicated chunks (src/safeckpt/_verify_split.py).
+"""Ranks of one machine share the verification of replicated chunks (src/safeckpt/coord/verify_split.py).
 
 Each chunk is hashed by one rank that reads it through the same page cache; a corrupt chunk
 still fails the load on every rank, with every rank's state unchanged, including ranks that
@@ -12,7 +12,7 @@ import torch
 
 import safeckpt
 from safeckpt._reader import open_manifest
-from safeckpt._verify_split import page_cache_id, shares_complete, split_shared
+from safeckpt.coord.verify_split import page_cache_id, shares_complete, split_shared
 from tests import dist_harness
 
 DATA = "rank-00000.safetensors"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import _shardfile
+from safeckpt.format import shardfile as _shardfile
 
 
 def _assert_round_trip(path, state):

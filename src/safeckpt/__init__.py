@@ -10,7 +10,6 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._load import load
-from ._manifest import CheckpointInfo
 from ._offline import VerifyReport, read_state_dict, verify
 from ._save import save
 from .errors import (
@@ -24,6 +23,7 @@ from .errors import (
     RankMismatch,
     SafeckptWarning,
 )
+from .format.manifest import CheckpointInfo
 from .manager import CheckpointManager
 from .per_rank import PerRank
 from .retention import RetentionPolicy

@@ -35,8 +35,8 @@ import torch
 import xxhash
 from torch import nn
 
-from ._tree import is_dtensor, unwrap_module
 from .errors import IncompatibleCheckpoint
+from .format.tree import is_dtensor, unwrap_module
 
 ENTRY = "_safeckpt_frozen"
 MODES = ("fingerprint", "full")

@@ -28,14 +28,20 @@ from typing import Any
 import torch
 
 from . import _optim
-from ._dist import Coordinator, PhaseFailures, describe_exception
-from ._format3 import FORMAT_V3, Layout
-from ._manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
 from ._prefault import Prefault
 from ._reader import TensorReader, local_box, open_manifest, read_threads
 from ._save import paused_gc
-from ._storage import Storage, resolve, storage_for
-from ._tree import (
+from .coord.dist import Coordinator, PhaseFailures, describe_exception
+from .coord.verify_split import (
+    local_position,
+    page_cache_id,
+    shared_digest,
+    shares_complete,
+    split_shared,
+)
+from .errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
+from .format.manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
+from .format.tree import (
     KEEP,
     PER_RANK_ATTR,
     SEP,
@@ -50,14 +56,8 @@ from ._tree import (
     unescape_key,
     unwrap_module,
 )
-from ._verify_split import (
-    local_position,
-    page_cache_id,
-    shared_digest,
-    shares_complete,
-    split_shared,
-)
-from .errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
+from .format.v3 import FORMAT_V3, Layout
+from .storage.base import Storage, resolve, storage_for
 
 
 def load(

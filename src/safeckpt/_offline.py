@@ -10,12 +10,12 @@ from typing import Any
 import torch
 import xxhash
 
-from ._manifest import safe_file_path
 from ._reader import TensorReader, open_data_file, open_manifest
-from ._shardfile import header_problems
-from ._storage import Storage, is_remote, resolve, storage_for
-from ._tree import decode, escape_key
 from .errors import CheckpointError
+from .format.manifest import safe_file_path
+from .format.shardfile import header_problems
+from .format.tree import decode, escape_key
+from .storage.base import Storage, is_remote, resolve, storage_for
 
 
 @dataclass

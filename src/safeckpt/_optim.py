@@ -2,7 +2,7 @@
 
 ``Optimizer.state_dict()`` keys state by position (param ids 0..n-1). Optimizers over DTensor
 (FSDP2) parameters are saved keyed by parameter name instead (see
-:func:`safeckpt._tree.optimizer_state_dict`), as DCP does. Loading maps the saved entries onto
+:func:`safeckpt.format.tree.optimizer_state_dict`), as DCP does. Loading maps the saved entries onto
 the target optimizer's parameters:
 
 - by name, when the saved keys are names and every target parameter has a name (from the
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ._manifest import torch_dtype
 from ._reader import TensorReader
-from ._tree import decode, is_dtensor, optimizer_params, tensor_keys
+from .format.manifest import torch_dtype
+from .format.tree import decode, is_dtensor, optimizer_params, tensor_keys
 
 
 @dataclass

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import xxhash
 
-from ._format3 import FORMAT_V3, Layout
-from ._manifest import dtype_size, safe_file_path, torch_dtype
-from ._shardfile import HASH_BUFFER, IOV_MAX, header_problems
-from ._sharding import box_at, dims_of
-from ._storage import Storage, storage_for
-from ._tree import is_dtensor, local_of
 from .errors import CorruptCheckpoint
+from .format.manifest import dtype_size, safe_file_path, torch_dtype
+from .format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
+from .format.sharding import box_at, dims_of
+from .format.tree import is_dtensor, local_of
+from .format.v3 import FORMAT_V3, Layout
+from .storage.base import Storage, storage_for
 
 Box = list[list[int]]  # [offsets, sizes]
 READ_THREADS = 4  # at most this many reads and hashes in flight at once on local files

@@ -16,7 +16,7 @@ Two exchanges, each a gather to the coordinator and a broadcast of its decision 
           (coordinator)  check every file, write the format-3 manifest (``_format3``),
                          publish atomically, and tell every rank.
 
-The storage steps are ``safeckpt._commit``'s, on the path's :class:`~safeckpt._storage.Storage`
+The storage steps are ``safeckpt.storage.commit``'s, on the path's :class:`~safeckpt.storage.base.Storage`
 (a local directory or an object store): one job class serves both. On any failure the
 coordinator removes what the save wrote after all ranks have reported (never raising over the
 save's error); the previous checkpoint at the path is never touched.
@@ -39,22 +39,23 @@ import torch
 import xxhash
 from torch import nn
 
-from . import __version__, _commit
-from ._catalog import remember_published
-from ._dist import Coordinator
-from ._fileindex import IndexBuilder
-from ._manifest import FORMAT, FORMAT_VERSION, CheckpointInfo
-from ._manifest_text import dumps as manifest_dumps
-from ._manifest_text import encode as encode_manifest_text
+from . import __version__
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
-from ._shardfile import tensor_bytes
-from ._sharding import Mesh, box_at, dims_of, mesh_record, writes
 from ._staging import PendingCopies, copy_aside
-from ._storage import Storage, resolve, storage_for
-from ._tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
+from .coord.dist import Coordinator
 from .errors import CheckpointError, RankMismatch
+from .format.fileindex import IndexBuilder
+from .format.manifest import FORMAT, FORMAT_VERSION, CheckpointInfo
+from .format.manifest_text import dumps as manifest_dumps
+from .format.manifest_text import encode as encode_manifest_text
+from .format.shardfile import tensor_bytes
+from .format.sharding import Mesh, box_at, dims_of, mesh_record, writes
+from .format.tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
+from .storage import commit as _commit
+from .storage.base import Storage, resolve, storage_for
+from .storage.catalog import remember_published
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
 
@@ -571,7 +572,7 @@ class _Plan(NamedTuple):
 
 def safe_extra_name(name: str) -> str:
     """An extra file's name, refused unless it is a plain file name that is not one of ours."""
-    from ._manifest import MANIFEST, is_staging_name
+    from .format.manifest import MANIFEST, is_staging_name
 
     if (not isinstance(name, str) or not _EXTRA_NAME.match(name) or name == MANIFEST
             or name.startswith("rank-") or is_staging_name(name)):

@@ -72,9 +72,17 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import __version__, _commit
-from ._catalog import parse_step, step_dirname
-from ._dcp_format import (
+from . import __version__
+from ._reader import open_manifest
+from .errors import (
+    PORTABLE_ERRORS,
+    CheckpointError,
+    CheckpointExists,
+    CorruptCheckpoint,
+    RankFailure,
+    RankMismatch,
+)
+from .format.dcp_layout import (
     DCP_FILE,
     MANIFEST_KEY,
     MAX_DCP_FILE,
@@ -83,7 +91,7 @@ from ._dcp_format import (
     encode_value,
     parse_dcp_document,
 )
-from ._manifest import (
+from .format.manifest import (
     FORMAT,
     dtype_code,
     encode_manifest,
@@ -93,19 +101,12 @@ from ._manifest import (
     safe_file_path,
     torch_dtype,
 )
-from ._reader import open_manifest
-from ._shardfile import MappedFile, write_file
-from ._storage import is_remote, join, resolve
-from ._storage_posix import PosixStorage, fsync_dir, remove_tree
-from ._tree import decode
-from .errors import (
-    PORTABLE_ERRORS,
-    CheckpointError,
-    CheckpointExists,
-    CorruptCheckpoint,
-    RankFailure,
-    RankMismatch,
-)
+from .format.shardfile import MappedFile, write_file
+from .format.tree import decode
+from .storage import commit as _commit
+from .storage.base import is_remote, join, resolve
+from .storage.catalog import parse_step, step_dirname
+from .storage.posix import PosixStorage, fsync_dir, remove_tree
 
 __all__ = ["StorageReader", "StorageWriter", "manager_writer", "translate_errors"]
 

@@ -19,18 +19,18 @@ from typing import Any
 
 from . import _frozen
 from ._async import AsyncSaver
-from ._catalog import DEFAULT_DIRNAME, committed, dirname_of, remove_entry, scan, sweep
-from ._dist import Coordinator, resolve_timeout
 from ._frozen import check_frozen_mode
 from ._load import load
-from ._lock import DEFAULT_LEASE, writer_lease
-from ._manifest import CheckpointInfo
 from ._offline import verify_on
-from ._preempt import PreemptionWatcher
 from ._save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
-from ._storage import join, resolve, storage_for
+from .coord.dist import Coordinator, resolve_timeout
+from .coord.lease import DEFAULT_LEASE, writer_lease
+from .coord.preempt import PreemptionWatcher
 from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
+from .format.manifest import CheckpointInfo
 from .retention import RetentionPolicy
+from .storage.base import join, resolve, storage_for
+from .storage.catalog import DEFAULT_DIRNAME, committed, dirname_of, remove_entry, scan, sweep
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._tree import PER_RANK_ATTR
+from .format.tree import PER_RANK_ATTR
 
 
 class PerRank:

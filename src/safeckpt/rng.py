@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._tree import PER_RANK_ATTR
+from .format.tree import PER_RANK_ATTR
 
 
 class RNGState:

@@ -234,7 +234,7 @@ def _resume_then_crash(rank: int, world: int, root: str, resume: int | None, sta
     optimizer file; "publish": rank 0 (the coordinator) after the index is written, just before
     publication; "start": rank 1 before writing anything."""
     out = {"deepspeed_imported_by_safeckpt": "deepspeed" in sys.modules}  # nothing imported it yet
-    from safeckpt import _shardfile
+    from safeckpt.format import shardfile as _shardfile
     from safeckpt.integrations import deepspeed as sds
 
     out["resumed"] = _resume_stage(rank, root, resume) if resume else None

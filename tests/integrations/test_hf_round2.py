@@ -94,7 +94,7 @@ def test_second_accelerator_after_del_takes_the_lease(tmp_path) -> None:
 
 
 def test_collected_manager_and_lease_release_the_root(tmp_path) -> None:
-    from safeckpt._lock import LOCK_NAME, writer_lease
+    from safeckpt.coord.lease import LOCK_NAME, writer_lease
 
     mgr = safeckpt.CheckpointManager(tmp_path / "m", preemption_signals=())
     mgr.save(1, {"x": torch.ones(2)})

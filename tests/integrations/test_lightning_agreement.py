@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     import safeckpt
-    from safeckpt import _shardfile
+    from safeckpt.format import shardfile as _shardfile
     from safeckpt.integrations import _lightning_resume
     from safeckpt.integrations import lightning as sl
 

@@ -243,7 +243,7 @@ class Killer:
 
     # -- phases
     def _patch_decide(self, phase: str, when: str) -> None:
-        from safeckpt import _dist
+        from safeckpt.coord import dist as _dist
 
         real = _dist.Coordinator.decide
         killer = self
@@ -290,7 +290,7 @@ class Killer:
         _dist.Coordinator.decide = decide  # type: ignore[method-assign]
 
     def _patch_any_true(self, phase: str) -> None:
-        from safeckpt import _dist
+        from safeckpt.coord import dist as _dist
 
         real = _dist.Coordinator.any_true
         killer = self
@@ -304,7 +304,7 @@ class Killer:
 
     # -- group creation
     def _patch_group_creation(self, nth: int, where: str) -> None:
-        from safeckpt import _dist
+        from safeckpt.coord import dist as _dist
 
         killer = self
         calls = [0]
@@ -415,7 +415,7 @@ class Killer:
         manager_mod.sweep = sweep
 
     def _patch_file_writes(self) -> None:
-        from safeckpt._manifest import STAGING_MARK
+        from safeckpt.format.manifest import STAGING_MARK
 
         killer = self
         for name in ("write", "writev", "pwrite", "pwritev"):
@@ -446,7 +446,7 @@ class Killer:
         return path if path.startswith(self.root) else ""
 
     def _patch_publish(self, before: bool) -> None:
-        import safeckpt._commit as commit_mod
+        import safeckpt.storage.commit as commit_mod
 
         killer = self
         real = commit_mod.publish

@@ -94,7 +94,7 @@ def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3,
 def _lazy(world: int) -> bool:
     """Whether safeckpt connects its group's pairs lazily at this world size
     (SAFECKPT_LAZY_CONNECT, inherited by the jobs)."""
-    from safeckpt import _dist
+    from safeckpt.coord import dist as _dist
 
     lazy = getattr(_dist, "lazy_connect", None)
     return bool(lazy and lazy(world))
@@ -159,8 +159,8 @@ def inspect_root(root: str) -> dict[str, Any]:
     import torch
 
     import safeckpt
-    from safeckpt._catalog import parse_step
-    from safeckpt._manifest import STAGING_MARK, TRASH_MARK
+    from safeckpt.format.manifest import STAGING_MARK, TRASH_MARK
+    from safeckpt.storage.catalog import parse_step
 
     valid: list[int] = []
     partial: list[str] = []

@@ -4,8 +4,8 @@ The replacement for DeepSpeed's ``zero_to_fp32.py`` (which cannot read this form
 unpickle): the per-rank flat fp32 partitions and the parameter shapes are read pickle-free,
 then handed to DeepSpeed's own reconstruction functions, so the weights are exactly those
 ``zero_to_fp32`` would produce from a stock checkpoint of the same state. The export is then
-written by safeckpt's :func:`~safeckpt._convert.consolidate` (one safetensors file) or
-:func:`~safeckpt._convert.export_hf` (Hugging Face layout) from a temporary single-process
+written by safeckpt's :func:`~safeckpt.convert.consolidate` (one safetensors file) or
+:func:`~safeckpt.convert.export_hf` (Hugging Face layout) from a temporary single-process
 safeckpt checkpoint next to the output.
 
 Offline: no process group is used (it also works on one rank of a running job). Memory: the
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .. import read_state_dict
-from .._convert import consolidate, export_hf
+from ..convert import consolidate, export_hf
 from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound
 from . import _deepspeed_codec as codec
 from ._deepspeed_tags import INDEX, pick, read_index, remove_tree, save_local

@@ -28,7 +28,7 @@ ACCELERATE_DIRNAME = "checkpoint_{step}"  # accelerate's save_state(automatic_ch
 
 def step_dir(root: str, step: int, dirname: str | None = None) -> str:
     """Where a CheckpointManager under ``root`` with ``dirname`` commits ``step``."""
-    from .._catalog import step_dirname
+    from ..storage.catalog import step_dirname
 
     return os.path.join(root, step_dirname(step, dirname))
 
@@ -50,7 +50,7 @@ def share_from_rank0(fn: Callable[[], Any]) -> Any:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
         return fn()
-    from .._dist import Coordinator
+    from ..coord.dist import Coordinator
 
     local: list[Exception] = []
 
@@ -246,7 +246,7 @@ def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool 
     """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
     (``safeckpt._frozen``) into a live model holding those frozen parameters (collective)."""
     from .. import _frozen, load
-    from .._storage import storage_for
+    from ..storage.base import storage_for
 
     target = None
     if _frozen.has_frozen(state):
@@ -264,9 +264,9 @@ def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | Non
     ``extra_files`` (rank 0's) are committed inside the checkpoint (as
     ``CheckpointManager.save(extra_files=...)``)."""
     from .. import _frozen
-    from .._dist import Coordinator
     from .._save import new_job, safe_extra_name
-    from .._storage import resolve, storage_for
+    from ..coord.dist import Coordinator
+    from ..storage.base import resolve, storage_for
 
     target = resolve(path)
     extra = {safe_extra_name(k): bytes(v) for k, v in (extra_files or {}).items()}
@@ -281,7 +281,7 @@ def overrides_load_state_dict(model: Any) -> bool:
     """The (unwrapped) model defines its own ``load_state_dict`` (e.g. to accept a resized
     buffer), which Trainer calls with the loaded weights, and nothing in it is sharded (the
     override needs full tensors on every rank)."""
-    from .._tree import unwrap_module
+    from ..format.tree import unwrap_module
 
     inner = unwrap_module(model)
     return (type(inner).load_state_dict is not torch.nn.Module.load_state_dict
@@ -294,8 +294,8 @@ def read_entry_tensors(path: str, entry: str) -> tuple[Any, Any]:
     checkpoint holds them (``safeckpt._frozen``): ``(state, fingerprints or None)``."""
     from .. import _frozen
     from .._reader import TensorReader, open_manifest
-    from .._storage import resolve, storage_for
-    from .._tree import decode
+    from ..format.tree import decode
+    from ..storage.base import resolve, storage_for
 
     ckpt = resolve(path)
     store = storage_for(ckpt)
@@ -318,7 +318,7 @@ def load_through_override(model: Any, path: str, entry: str, sd: Mapping[str, An
     live ones and passed in as they are; missing or unexpected keys the override reports are
     refused (Trainer only warns)."""
     from .. import _frozen
-    from .._tree import unwrap_module
+    from ..format.tree import unwrap_module
 
     inner = unwrap_module(model)
     sd = dict(sd)
@@ -355,7 +355,7 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         local = exc
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from .._dist import Coordinator
+        from ..coord.dist import Coordinator
 
         # on safeckpt's own group, as JSON (never the job's group, never pickle)
         error = None if local is None else f"{type(local).__name__}: {local}"
@@ -406,7 +406,7 @@ def export_pretrained(model: Any, out_dir: str, *, timeout: float | None,
     and the hidden checkpoint is removed. Returns the weight files written.
     """
     from .. import save
-    from .._convert import export_hf
+    from ..convert import export_hf
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     parent = os.path.dirname(out_dir)

@@ -18,9 +18,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 import safeckpt
 from safeckpt import _frozen
-from safeckpt._catalog import Entry, remove_entry
-from safeckpt._storage import is_remote
 from safeckpt.errors import CheckpointNotFound, IncompatibleCheckpoint
+from safeckpt.storage.base import is_remote
+from safeckpt.storage.catalog import Entry, remove_entry
 
 from ._lightning_values import decode
 

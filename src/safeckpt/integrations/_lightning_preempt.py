@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from safeckpt._dist import Coordinator
+from safeckpt.coord.dist import Coordinator
 from safeckpt.errors import SafeckptWarning
 
 

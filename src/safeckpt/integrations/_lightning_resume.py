@@ -20,10 +20,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import safeckpt
-from safeckpt._catalog import leftovers, remove_entry
-from safeckpt._dist import Coordinator
 from safeckpt._reader import open_manifest
+from safeckpt.coord.dist import Coordinator
 from safeckpt.errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
+from safeckpt.storage.catalog import leftovers, remove_entry
 
 from ._lightning_format import norm, refuse_file
 from ._lightning_preempt import SafeckptPreemption

@@ -45,8 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import safeckpt
 from safeckpt import _frozen
-from safeckpt._dist import Coordinator
-from safeckpt._tree import is_dtensor
+from safeckpt.coord.dist import Coordinator
 from safeckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -55,6 +54,7 @@ from safeckpt.errors import (
     RankMismatch,
     SafeckptWarning,
 )
+from safeckpt.format.tree import is_dtensor
 
 from ._lightning_format import (
     FROZEN,

@@ -43,8 +43,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import safeckpt.dcp
 from safeckpt._reader import TensorReader, open_manifest
-from safeckpt._tree import decode as decode_tree
 from safeckpt.errors import CheckpointError
+from safeckpt.format.tree import decode as decode_tree
 
 from ._lightning_values import TYPE
 from ._lightning_values import decode as decode_values

@@ -16,14 +16,14 @@ differences, or a safeckpt error with no more specific code; 2 usage error or no
 directory) of the needed kind at a path; 3 an import's save failed; 5 corrupt; 7 a live writer
 holds the root; 8 the output exists; 70 internal error (a bug); 74 the system or the object
 store refused (permission, disk full, credentials); 130 interrupted; 141 the output pipe closed.
-Every error is one line on stderr (:mod:`safeckpt._cli_errors`); ``--debug`` adds the traceback.
+Every error is one line on stderr (:mod:`safeckpt.cli.exit_codes`); ``--debug`` adds the traceback.
 
 The CLI reads checkpoints without a process group and never takes the writer lease, except
 ``gc``, which holds it while it deletes so that no job starts saving into what it cleans. It
 deletes only what it recognises: staging/trash leftovers (by their markers) and, when asked,
 committed ``step-*`` checkpoints that the retention rules do not keep (never the newest).
 
-ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt._storage``);
+ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt.storage.base``);
 on an object store, leftovers are token-named objects that no manifest names.
 
 ``rich`` (``pip install 'safeckpt[cli]'``) draws tables and progress bars when the output is a
@@ -44,10 +44,23 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from . import __version__
-from . import _humanize as human
-from ._catalog import Entry, entry_nbytes, remove_entry, scan, unmanaged
-from ._cli_common import (
+from .. import __version__
+from .. import _humanize as human
+from .._offline import VerifyReport, verify
+from .._reader import open_manifest
+from ..coord.lease import break_lease, holder_is_live, read_lock, writer_lease
+from ..errors import (
+    CheckpointLocked,
+    CorruptCheckpoint,
+    SafeckptWarning,
+)
+from ..format.manifest import MANIFEST, dtype_size
+from ..format.tree import tensor_keys
+from ..format.v3 import FORMAT_V3, Layout
+from ..retention import RetentionPolicy
+from ..storage.base import default_options, is_remote, join, parse_options, storage_for
+from ..storage.catalog import Entry, entry_nbytes, remove_entry, scan, unmanaged
+from .common import (
     EXIT_CODES,
     EXIT_PIPE,
     EXIT_USAGE,
@@ -62,9 +75,9 @@ from ._cli_common import (
     _tensor_order,
     _values,
 )
-from ._cli_diff import cmd_diff
-from ._cli_errors import describe, one_line
-from ._cli_paths import (
+from .diff import cmd_diff
+from .exit_codes import describe, one_line
+from .paths import (
     checkpoint_arg,
     import_source,
     local_output_dir,
@@ -72,19 +85,6 @@ from ._cli_paths import (
     root_arg,
     save_target,
 )
-from ._format3 import FORMAT_V3, Layout
-from ._lock import break_lease, holder_is_live, read_lock, writer_lease
-from ._manifest import MANIFEST, dtype_size
-from ._offline import VerifyReport, verify
-from ._reader import open_manifest
-from ._storage import default_options, is_remote, join, parse_options, storage_for
-from ._tree import tensor_keys
-from .errors import (
-    CheckpointLocked,
-    CorruptCheckpoint,
-    SafeckptWarning,
-)
-from .retention import RetentionPolicy
 
 
 def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
@@ -412,7 +412,7 @@ def _bytes_progress(advance: Advance | None) -> Callable[[int, int, str], None] 
 
 def _selected_nbytes(ckpt: str, only: str | None) -> int:
     """Tensor bytes that consolidate/export will write (raises early when ``only`` matches nothing)."""
-    from ._convert import _select
+    from ..convert import _select
 
     man = open_manifest(ckpt, full=False)
     tensors, _ = _select(man, only)
@@ -420,7 +420,7 @@ def _selected_nbytes(ckpt: str, only: str | None) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
-    from ._convert import consolidate
+    from ..convert import consolidate
 
     ckpt = checkpoint_arg(args.ckpt)
     out = local_output_file(args.output, args.overwrite)
@@ -433,7 +433,7 @@ def cmd_consolidate(args: argparse.Namespace, ui: UI) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, ui: UI) -> int:
-    from . import _convert
+    from .. import convert as _convert
 
     if args.to == "hf":
         if args.entry or args.allow_pickle or args.no_weights_only:
@@ -677,6 +677,3 @@ def main(argv: list[str] | None = None) -> int:
         _print_err(f"{prog}: {line}")
         return code
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

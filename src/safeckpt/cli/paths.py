@@ -8,10 +8,10 @@ import errno
 import os
 import stat
 
-from ._cli_common import UsageError
-from ._manifest import MANIFEST
-from ._storage import is_remote, resolve
-from .errors import CheckpointExists, CheckpointNotFound
+from ..errors import CheckpointExists, CheckpointNotFound
+from ..format.manifest import MANIFEST
+from ..storage.base import is_remote, resolve
+from .common import UsageError
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))

@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from ._manifest import torch_dtype
-from ._reader import Box, TensorReader, open_manifest
-from ._storage import resolve
-from .errors import CheckpointError, CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from .._reader import Box, TensorReader, open_manifest
+from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from ..format.manifest import torch_dtype
+from ..storage.base import resolve
 
 DEFAULT_BUFFER = 64 << 20
 HF_SINGLE = "model.safetensors"
@@ -657,7 +657,7 @@ def import_dcp(
     Returns the :class:`CheckpointInfo` of the new checkpoint; ``metadata`` records
     ``imported_from`` plus what is given.
     """
-    from ._save import save
+    from .._save import save
 
     _single_process("import_dcp")
     src = os.path.abspath(os.fspath(src_dir))
@@ -729,7 +729,7 @@ def import_torch_save(
     ``nn.Module`` is stored under ``"model"``; ``entry="name"`` stores the object under that
     one entry. Returns the :class:`CheckpointInfo` of the new checkpoint.
     """
-    from ._save import save
+    from .._save import save
 
     src = os.path.abspath(os.fspath(src_file))
     if not allow_pickle:

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._manifest import torch_dtype
-from ._tree import decode, tensor_keys
-from .errors import CheckpointExists, CheckpointLocked, CorruptCheckpoint, RankFailure
+from ..errors import CheckpointExists, CheckpointLocked, CorruptCheckpoint, RankFailure
+from ..format.manifest import torch_dtype
+from ..format.tree import decode, tensor_keys
 
 Advance = Callable[[int], None]
 

@@ -15,11 +15,11 @@ and open with any safetensors reader.
 
 The manifest carries its own checksum (``manifest_xxh3_128``, xxh3-128 of its canonical JSON
 without that field, keys in their order), so an edit of any value is detected. Every field is validated before use
-(:mod:`safeckpt._validate`): names (no absolute paths, no ``..``, no separators), dtypes,
+(:mod:`safeckpt.format.validate`): names (no absolute paths, no ``..``, no separators), dtypes,
 shapes, chunk boxes that tile each tensor exactly, byte ranges inside their files, trees.
 Files are opened without following symlinks and only if they are regular files.
 On object stores (fsspec URLs) data files also carry a per-save token,
-``rank-00000.<token>.safetensors`` (see ``safeckpt._commit``); readers use the names the
+``rank-00000.<token>.safetensors`` (see ``safeckpt.storage.commit``); readers use the names the
 manifest lists, whatever they are.
 """
 
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import xxhash
 
-from ._storage import is_remote
-from ._validate import check_manifest, check_manifest_v3
-from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
+from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
+from .locations import is_remote
+from .validate import check_manifest, check_manifest_v3
 
 FORMAT = "safeckpt"
 FORMAT_VERSION = 3  # 2: manifest checksum (CHECKSUM_FIELD), escaped tensor keys; 3: chunks in per-file indexes
@@ -260,7 +260,7 @@ def signed_as_written(raw: bytes) -> bool:
 
 
 def validate_manifest(man: Any, ckpt_dir: str, *, checksum_checked: bool = False) -> None:
-    """Header (format, version, checksum) then every field (:mod:`safeckpt._validate`)."""
+    """Header (format, version, checksum) then every field (:mod:`safeckpt.format.validate`)."""
     where = f"{ckpt_dir}/{MANIFEST}" if is_remote(ckpt_dir) else os.path.join(ckpt_dir, MANIFEST)
 
     def bad(msg: str) -> CorruptCheckpoint:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
 
 MAX_DIMS = 64
 MAX_DEPTH = 200  # nesting of object trees (JSON itself may nest deeper; we refuse that)
@@ -64,7 +64,7 @@ def check_manifest(man: dict[str, Any], where: str, ckpt: str, *,
     """Raise CorruptCheckpoint(naming ``where`` and the field) unless ``man`` is fully valid.
 
     ``file_ok(name)`` raises for an unsafe file name; ``dtype_size(code)`` gives the element
-    size of a dtype code or raises for an unknown one (both from :mod:`safeckpt._manifest`).
+    size of a dtype code or raises for an unknown one (both from :mod:`safeckpt.format.manifest`).
     """
     _as_corrupt(_check, man, where, ckpt, file_ok, dtype_size)
 

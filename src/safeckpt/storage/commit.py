@@ -1,7 +1,7 @@
 """Make a checkpoint appear atomically, or not at all: the steps of one save on any storage.
 
 Single-process functions; ``safeckpt._save`` runs each as a collective phase. Only the
-:class:`~safeckpt._storage.Storage` interface is used, so the same steps serve a local
+:class:`~safeckpt.storage.base.Storage` interface is used, so the same steps serve a local
 directory and an object store:
 
 1. begin   (coordinator)  check the target (an existing checkpoint needs ``overwrite``; anything
@@ -32,9 +32,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._manifest import MANIFEST, max_manifest_bytes
-from ._storage import Storage
-from .errors import CheckpointError, CheckpointExists, SafeckptWarning
+from ..errors import CheckpointError, CheckpointExists, SafeckptWarning
+from ..format.manifest import MANIFEST, max_manifest_bytes
+from .base import Storage
 
 TOKEN_FILE = re.compile(r"^rank-(\d{5})\.([0-9a-f]{12})\.safetensors$")
 PROBE_WAIT = 5.0  # seconds a rank waits to see the staging place (NFS attribute caches)

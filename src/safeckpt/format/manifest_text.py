@@ -2,7 +2,7 @@
 
 A save renders the head, the objects and the ``tensors`` object (the last cached per plan: in
 format 3 it holds no checksums, so it is the same text every save of a layout) and joins them.
-The result is byte for byte what :func:`safeckpt._manifest.encode_manifest` makes of the same
+The result is byte for byte what :func:`safeckpt.format.manifest.encode_manifest` makes of the same
 manifest as a dict (the same key order, separators and escaping: every piece is rendered by
 ``json.dumps`` with the canonical settings), so readers cannot tell the difference; the tests
 check that every written manifest is the canonical encoding of what it parses to.
@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ._manifest import seal_manifest
+from .manifest import seal_manifest
 
 
 def dumps(value: Any) -> str:

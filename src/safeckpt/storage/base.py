@@ -32,9 +32,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import CheckpointError
+from .._settings import resolve_timeout
+from ..errors import CheckpointError
+from ..format.locations import LOCAL_SCHEME, is_remote
 
-LOCAL_SCHEME = "file://"
 IO_SHARE = 0.75  # one storage call may take this share of the timeout, so a rank stuck in I/O
 # reports its error before its peers give up waiting for it (they wait the full timeout)
 
@@ -69,7 +70,7 @@ class Storage(ABC):
     """Move bytes to and from one kind of storage; nothing about torch, ranks or checkpoints
     beyond what publication needs. Paths are the resolved strings of :func:`resolve`.
 
-    Call sequence of one save (see ``safeckpt._commit``): ``stage`` (coordinator) -> ``sees``
+    Call sequence of one save (see ``safeckpt.storage.commit``): ``stage`` (coordinator) -> ``sees``
     (all ranks, shared-storage probe) -> ``write`` (all ranks) -> ``size`` (coordinator) ->
     ``publish`` (coordinator) -> on failure ``delete``/``delete_tree``/``abort`` (coordinator).
     """
@@ -201,12 +202,6 @@ class Storage(ABC):
 # --------------------------------------------------------------------------- paths
 
 
-def is_remote(path: str | os.PathLike[str]) -> bool:
-    """True for an fsspec URL other than ``file://`` (``s3://bucket/prefix``, ``gs://...``)."""
-    p = os.fspath(path)
-    return isinstance(p, str) and "://" in p and not p.startswith(LOCAL_SCHEME)
-
-
 def resolve(path: str | os.PathLike[str]) -> str:
     """The canonical form of a checkpoint path: an absolute local path, or the URL without a
     trailing slash. Every rank computes the same string from the same argument."""
@@ -231,20 +226,13 @@ def basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(os.path.normpath(path))
 
 
-def resolve_timeout(timeout: float | None) -> float:
-    """Seconds: the argument, else $SAFECKPT_TIMEOUT, else 600 (the collectives' timeout)."""
-    from ._dist import resolve_timeout as resolve_collective_timeout
-
-    return resolve_collective_timeout(timeout)
-
-
 # --------------------------------------------------------------------------- backends
 
 _BACKENDS: dict[str, str] = {
-    "file": "safeckpt._storage_posix:PosixStorage",
-    "s3": "safeckpt._storage_s3:S3Storage",
-    "s3a": "safeckpt._storage_s3:S3Storage",
-    "*": "safeckpt._storage_fsspec:FsspecStorage",
+    "file": "safeckpt.storage.posix:PosixStorage",
+    "s3": "safeckpt.storage.s3:S3Storage",
+    "s3a": "safeckpt.storage.s3:S3Storage",
+    "*": "safeckpt.storage.fsspec_store:FsspecStorage",
 }
 _DEFAULT_OPTIONS: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "safeckpt_storage_options", default=None

@@ -30,11 +30,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from ._fileindex import MAX_INDEX, parse_index
-from ._manifest import safe_file_path
-from ._sharding import Box, Mesh, overlapping, writes
-from ._validate import _Bad, check_manifest, check_tree
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
+from .fileindex import MAX_INDEX, parse_index
+from .manifest import safe_file_path
+from .sharding import Box, Mesh, overlapping, writes
+from .validate import _Bad, check_manifest, check_tree
 
 FORMAT_V3 = 3
 

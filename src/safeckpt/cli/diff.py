@@ -6,8 +6,9 @@ import argparse
 import math
 from typing import Any
 
-from . import _humanize as human
-from ._cli_common import (
+from .. import _humanize as human
+from .._reader import TensorReader, open_manifest
+from .common import (
     ABSENT,
     EXIT_DIFFERENT,
     UI,
@@ -18,8 +19,7 @@ from ._cli_common import (
     _tensor_order,
     _values,
 )
-from ._cli_paths import checkpoint_arg
-from ._reader import TensorReader, open_manifest
+from .paths import checkpoint_arg
 
 
 def _max_abs_diff(a: Any, b: Any, piece: int = 1 << 22) -> float:

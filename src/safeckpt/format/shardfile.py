@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
-from ._fileindex import INDEX_NAME
-from ._manifest import DTYPE_TO_ST, dtype_code, open_regular
-from .errors import CheckpointError, CorruptCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint
+from .fileindex import INDEX_NAME
+from .manifest import DTYPE_TO_ST, dtype_code, open_regular
 
 PIECE = 64 << 20  # bytes hashed and written per system call
 WRITEBACK_WINDOW = 64 << 20  # bytes handed to the disk at a time (see _EarlyWriteback)

@@ -26,7 +26,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
 
 INDEX_NAME = "__safeckpt_index__"
 MAX_INDEX = 256 << 20  # bytes of one file's index a reader accepts

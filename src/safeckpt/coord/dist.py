@@ -41,11 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._liveness import is_gone, mark_survivor, process_state, self_record, survivor_note
-from .errors import PORTABLE_ERRORS, CheckpointError, RankFailure
+from .._settings import resolve_timeout
+from ..errors import PORTABLE_ERRORS, CheckpointError, RankFailure
+from .liveness import is_gone, mark_survivor, process_state, self_record, survivor_note
 
-DEFAULT_TIMEOUT = 600.0
-TIMEOUT_ENV = "SAFECKPT_TIMEOUT"
 CONNECT_SHARE = 6  # group connect timeout = timeout / 6: gloo's connect may wait 5x it
 SETUP_HINT = "Nothing was saved or loaded by this call; committed checkpoints are intact."
 DEFAULT_HINT = "Checkpoints committed before this call are intact."
@@ -56,15 +55,6 @@ def _store_budget(timeout: float) -> float:
     """Seconds failure diagnosis waits for the store to answer."""
     return min(5.0, max(1.0, timeout / 4))
 
-
-def resolve_timeout(timeout: float | None) -> float:
-    """Seconds a rank waits for the others: argument, else $SAFECKPT_TIMEOUT, else 600."""
-    if timeout is None:
-        env = os.environ.get(TIMEOUT_ENV)
-        timeout = float(env) if env else DEFAULT_TIMEOUT
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    return float(timeout)
 
 
 def distributed_active() -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import errno
 import re
 
-from ._cli_common import (
+from ..errors import CheckpointError, CheckpointExists
+from .common import (
     EXIT_DIFFERENT,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -19,7 +20,6 @@ from ._cli_common import (
     EXIT_USAGE,
     UsageError,
 )
-from .errors import CheckpointError, CheckpointExists
 
 MAX_LINE = 1000
 _CONTROL = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]")  # ANSI colours, control chars

@@ -26,8 +26,8 @@ import uuid
 import weakref
 from typing import Any
 
-from ._storage import Storage, storage_for
-from .errors import CheckpointLocked
+from ..errors import CheckpointLocked
+from ..storage.base import Storage, storage_for
 
 LOCK_NAME = ".safeckpt.lock"
 DEFAULT_LEASE = 120.0

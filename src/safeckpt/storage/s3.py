@@ -23,9 +23,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from ._shardfile import WrittenFile, stream_safetensors
-from ._storage import Upload
-from ._storage_fsspec import FsspecStorage
+from ..format.shardfile import WrittenFile, stream_safetensors
+from .base import Upload
+from .fsspec_store import FsspecStorage
 
 PART = 50 << 20  # bytes per part, as s3fs' pipe_file (S3's minimum is 5 MiB but for the last);
 # a file smaller than two parts is one PUT (as pipe_file does)

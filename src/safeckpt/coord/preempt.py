@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import SafeckptWarning
+from ..errors import SafeckptWarning
 
 
 class PreemptionWatcher:

@@ -8,12 +8,12 @@ a per-save token, so a save never overwrites an object another checkpoint refers
 
 Publication: every rank writes its object straight to its final, token-named key; the
 coordinator PUTs ``manifest.json`` last, and that PUT is the commit point (conditional,
-``pipe_file(mode="create")``, when nothing may be replaced). See ``safeckpt._commit``.
+``pipe_file(mode="create")``, when nothing may be replaced). See ``safeckpt.storage.commit``.
 
 Every call is bounded: on async filesystems (s3fs, gcsfs, adlfs) it is cancelled after
 ``io_timeout`` seconds (a share of the collective timeout), so a hung endpoint becomes an error
 on the rank that waits on it before its peers give up. The filesystem's errors (botocore,
-aiohttp, permission, credentials) become :class:`~safeckpt._storage.StorageError` with a line
+aiohttp, permission, credentials) become :class:`~safeckpt.storage.base.StorageError` with a line
 saying what to check; a missing bucket is CheckpointNotFound, never an empty root.
 
 fsspec is imported on first use only; it is the ``remote`` extra.
@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._manifest import MANIFEST, max_manifest_bytes, parse_manifest
-from ._rangedfile import RemoteFile, stream_hash
-from ._shardfile import WrittenFile, stream_safetensors
-from ._storage import Item, Storage, StorageError
-from .errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound
+from ..format.manifest import MANIFEST, max_manifest_bytes, parse_manifest
+from ..format.shardfile import WrittenFile, stream_safetensors
+from .base import Item, Storage, StorageError
+from .ranged import RemoteFile, stream_hash
 
 INSTALL_HINT = (
     "pip install 'safeckpt[remote]' (fsspec), plus the package for your storage "

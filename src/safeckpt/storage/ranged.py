@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import xxhash
 
-from ._shardfile import check_chunk, is_empty
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
+from ..format.shardfile import check_chunk, is_empty
 
 READAHEAD = 4 << 20  # a small read fetches this much from its start
 KEEP = 512 << 20  # fetched windows kept per object (verified chunks are read again by the copy)

@@ -36,9 +36,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._tree import SEP, escape_key, join_key
-from ._validate import MAX_DEPTH
-from .errors import CheckpointError, CorruptCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint
+from .tree import SEP, escape_key, join_key
+from .validate import MAX_DEPTH
 
 DCP_FORMAT = "safeckpt-dcp"
 DCP_FORMAT_VERSION = 1

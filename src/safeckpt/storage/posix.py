@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _manifest
-from ._manifest import MANIFEST, TRASH_MARK, is_staging_name, rank_file, staging_name
-from ._shardfile import MappedFile, hash_file, write_file
-from ._storage import Item, Storage
-from .errors import CheckpointNotFound
+from ..errors import CheckpointNotFound
+from ..format import manifest as _manifest
+from ..format.manifest import MANIFEST, TRASH_MARK, is_staging_name, rank_file, staging_name
+from ..format.shardfile import MappedFile, hash_file, write_file
+from .base import Item, Storage
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2

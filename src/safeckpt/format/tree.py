@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._manifest import dtype_code
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .manifest import dtype_code
 
 SEP = "/"
 PER_RANK_ATTR = "__safeckpt_per_rank__"

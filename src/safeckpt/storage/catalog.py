@@ -1,7 +1,7 @@
 """What is under a checkpoint root: committed steps, leftovers, and things we do not own.
 
 Read-only and lock-free: any process may scan a root at any time, on any storage (only the
-:class:`~safeckpt._storage.Storage` interface is used). A directory (prefix) counts as a
+:class:`~safeckpt.storage.base.Storage` interface is used). A directory (prefix) counts as a
 committed checkpoint only if its name is a checkpoint name (``step-N``, or a framework's
 ``checkpoint-N`` / ``checkpoint_N``, see :class:`DirName`) and it holds a valid manifest. Leftovers
 of interrupted saves are recognised by name: hidden staging and trash directories (POSIX), data
@@ -21,10 +21,10 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from ._commit import TOKEN_FILE, named_files
-from ._manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
-from ._storage import Storage, StorageError, Upload, storage_for
-from .errors import CheckpointError, CheckpointNotFound, SafeckptWarning
+from ..errors import CheckpointError, CheckpointNotFound, SafeckptWarning
+from ..format.manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
+from .base import Storage, StorageError, Upload, storage_for
+from .commit import TOKEN_FILE, named_files
 
 STEP_PREFIX = "step-"
 _LEFTOVER_RE = re.compile(r"^\.(.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(TRASH_MARK) + r")[0-9a-f]+$")

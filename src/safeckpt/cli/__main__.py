@@ -1,0 +1,5 @@
+"""``python -m safeckpt.cli``."""
+
+from . import main
+
+raise SystemExit(main())
