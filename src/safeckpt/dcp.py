@@ -30,7 +30,9 @@ DCP turns any error raised in these steps into its ``CheckpointException`` (rais
 rank; ``.failures`` maps each failing rank to the original error, and its message shows them).
 :func:`translate_errors` re-raises the safeckpt error itself.
 
-Everything is local or shared-filesystem paths (no object-store URLs yet).
+Any storage safeckpt serves works: local and shared filesystems (staging directory, one
+rename) and object stores such as ``s3://bucket/prefix`` (token-named objects written in place,
+the manifest PUT last as the commit point; pass ``storage_options`` as to ``safeckpt.save``).
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ from .format.dcp_layout import (
     MANIFEST_KEY,
     MAX_DCP_FILE,
     build_layout,
+    check_dcp_document,
     dcp_document,
+    encode_document,
     encode_value,
     parse_dcp_document,
 )
@@ -97,16 +101,14 @@ from .format.manifest import (
     encode_manifest,
     open_regular,
     parse_manifest,
-    rank_file,
     safe_file_path,
     torch_dtype,
 )
-from .format.shardfile import MappedFile, write_file
+from .format.shardfile import MappedFile
 from .format.tree import decode
 from .storage import commit as _commit
-from .storage.base import is_remote, join, resolve
+from .storage.base import Storage, is_remote, join, resolve, storage_for
 from .storage.catalog import parse_step, step_dirname
-from .storage.posix import PosixStorage, fsync_dir, remove_tree
 
 __all__ = ["StorageReader", "StorageWriter", "manager_writer", "translate_errors"]
 
@@ -193,18 +195,32 @@ def _rank_of(kwargs: Mapping[str, Any]) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _local_path(path: str | os.PathLike[str], what: str) -> str:
-    if is_remote(os.fspath(path)):
-        raise CheckpointError(
-            f"{what} takes a local or shared-filesystem path, not the URL {os.fspath(path)!r}: "
-            "object stores are not supported through DCP yet (use safeckpt.save / "
-            "CheckpointManager for them)"
-        )
-    return resolve(path)
+class _OnStorage:
+    """The storage of a writer's or reader's path, made on first use and never pickled (DCP's
+    process-mode async_save sends the writer to another process, which makes its own)."""
+
+    path: str
+    storage_options: dict[str, Any] | None
+    timeout: float | None
+    _store: Storage | None = None
+
+    def storage(self) -> Storage:
+        if self._store is None:
+            self._store = storage_for(self.path, self.storage_options, timeout=self.timeout)
+        return self._store
+
+    def _at(self, path: str | os.PathLike[str]) -> None:
+        self.path = resolve(path)
+        self._store = None
+        if is_remote(self.path):
+            self.storage()  # fsspec and the scheme's package are installed, or a clear error now
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_store": None}
 
 
 # ----------------------------------------------------------------------------- writer
-class StorageWriter(_dcp.StorageWriter):
+class StorageWriter(_OnStorage, _dcp.StorageWriter):
     """DCP storage writer: agreed path, staged writes, checked atomic commit, no pickle.
 
     ``path``: the checkpoint directory (every rank must pass the same one; ``checkpoint_id``
@@ -215,12 +231,17 @@ class StorageWriter(_dcp.StorageWriter):
     ``step``: the training step recorded in the manifest; by default taken from a directory
     named as CheckpointManager names them (``step-0000000100``), so a manager, ``safeckpt ls``
     and ``safeckpt gc`` see the step of checkpoints saved under a manager root.
+    ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
+    credentials), as for ``safeckpt.save``; ``timeout``: bounds each storage call (a share of it).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
-                 metadata: Mapping[str, Any] | None = None, step: int | None = None) -> None:
+                 metadata: Mapping[str, Any] | None = None, step: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        self.path = _local_path(path, "safeckpt.dcp.StorageWriter")
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.timeout = timeout
+        self._at(path)
         self.overwrite = bool(overwrite)
         self.step = step
         self.metadata = dict(metadata or {})
@@ -238,12 +259,16 @@ class StorageWriter(_dcp.StorageWriter):
     # -- setup
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _local_path(checkpoint_id, "safeckpt.dcp.StorageWriter")
+            self._at(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return not is_remote(os.fspath(checkpoint_id))
+        try:
+            resolve(checkpoint_id)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -260,8 +285,10 @@ class StorageWriter(_dcp.StorageWriter):
             self._drop_staging()  # a previous save through this writer that failed after staging
 
     def _drop_staging(self) -> None:
+        """Remove what a staged, unpublished save wrote (never raises: see commit.discard)."""
         if self._staging is not None:
-            remove_tree(self._staging.staging)
+            st = self._staging
+            _commit.discard(self.storage(), st.path, {"path": st.staging, "token": st.token})
             self._staging = None
 
     # -- planning
@@ -278,7 +305,7 @@ class StorageWriter(_dcp.StorageWriter):
         _check_same_path([p.storage_data for p in plans], "dcp.save")
         if any(not p.usable for p in plans):
             raise CheckpointError("safeckpt.dcp.StorageWriter does not support DCP's plan caching")
-        begun = _begin(self.path, self.overwrite)
+        begun = _begin(self.storage(), self.path, self.overwrite)
         self._staging = _Staging(self.path, begun["path"], begun["token"])
         return [dataclasses.replace(p, storage_data=self._staging) for p in plans]
 
@@ -295,9 +322,9 @@ class StorageWriter(_dcp.StorageWriter):
                 "safeckpt.dcp.StorageWriter does not support DCP's plan caching "
                 "(DefaultSavePlanner(enable_plan_caching=True)); use a planner without it."
             )
-        store = PosixStorage()
+        store = self.storage()
         _commit.probe(store, {"path": staging.staging, "token": staging.token}, self.rank)
-        results = _write_rank(staging.staging, self.rank, plan, planner)
+        results = _write_rank(store, staging, self.rank, plan, planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -308,8 +335,8 @@ class StorageWriter(_dcp.StorageWriter):
         if staging is None:
             raise CheckpointError("safeckpt.dcp: finish() without a staged save on the coordinator")
         try:
-            _commit_save(staging, metadata, results, overwrite=self.overwrite, user=self.metadata,
-                         step=self._step())
+            _commit_save(self.storage(), staging, metadata, results, overwrite=self.overwrite,
+                         user=self.metadata, step=self._step())
         except BaseException:
             self._drop_staging()
             raise
@@ -321,7 +348,9 @@ class _ManagedWriter(StorageWriter):
     root (see :func:`manager_writer`)."""
 
     def __init__(self, mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = None) -> None:
-        super().__init__(join(mgr.root, step_dirname(step)), metadata=metadata, step=step)
+        super().__init__(join(mgr.root, step_dirname(step)), metadata=metadata, step=step,
+                         storage_options=mgr._options, timeout=mgr.timeout)
+        self._store = mgr._store
         self._mgr = mgr
 
     def __getstate__(self) -> Any:
@@ -368,22 +397,22 @@ def manager_writer(mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = 
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     mgr._check_open()
-    if is_remote(mgr.root):
-        _local_path(mgr.root, "safeckpt.dcp.manager_writer")
     mgr.wait()  # the manager's own background save, if any, commits (or raises) first
     return _ManagedWriter(mgr, step, metadata=metadata)
 
 
-def _begin(target: str, overwrite: bool) -> dict[str, str]:
-    """Check the target and create the staging directory (an empty directory at the target,
-    as DCP users often create first, is not in the way)."""
-    if not overwrite and os.path.isdir(target) and not os.path.islink(target) and not os.listdir(target):
+def _begin(store: Storage, target: str, overwrite: bool) -> dict[str, str]:
+    """Check the target and prepare the staging place (on a filesystem, an empty directory at
+    the target, as DCP users often create first, is not in the way)."""
+    if (store.renames and not overwrite and os.path.isdir(target) and not os.path.islink(target)
+            and not os.listdir(target)):
         token = uuid.uuid4().hex[:12]
-        return {"token": token, "path": PosixStorage().stage(target, token)}
-    return _commit.begin(PosixStorage(), target, overwrite)
+        return {"token": token, "path": store.stage(target, token)}
+    return _commit.begin(store, target, overwrite)
 
 
-def _write_rank(staging: str, rank: int, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+def _write_rank(store: Storage, staging: _Staging, rank: int, plan: SavePlan,
+                planner: SavePlanner) -> list[WriteResult]:
     tensor_items = []
     results: list[WriteResult] = []
     for item in plan.items:
@@ -412,8 +441,8 @@ def _write_rank(staging: str, rank: int, plan: SavePlan, planner: SavePlanner) -
         named.append((_chunk_name(item), t))
         offsets = tuple(chunk.offsets) if chunk is not None else (0,) * t.dim()
         boxes.append((tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)))
-    fname = rank_file(rank)
-    written = write_file(os.path.join(staging, fname), named, {"format": "safeckpt", "writer": "safeckpt.dcp"})
+    fname, written = _commit.write(store, {"path": staging.staging, "token": staging.token}, rank, named,
+                                   {"format": "safeckpt", "writer": "safeckpt.dcp"})
     where = {n: (span, digest) for n, span, digest in zip(written.names, written.spans, written.digests, strict=True)}
     for item, (name, _), (offsets, sizes) in zip(tensor_items, named, boxes, strict=True):
         (start, end), digest = where[name]
@@ -464,7 +493,7 @@ def _properties(p: TensorProperties) -> dict[str, Any]:
     return out
 
 
-def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[WriteResult]], *,
+def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results: list[list[WriteResult]], *,
                  overwrite: bool, user: dict[str, Any], step: int | None) -> None:
     """Coordinator: check every rank's file, write DCP metadata and manifest, publish."""
     files: dict[str, Any] = {}
@@ -483,7 +512,7 @@ def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[Write
             else:
                 raise CheckpointError(f"rank {rank} returned a write result safeckpt.dcp did not make")
     for name, rec in files.items():
-        actual = PosixStorage().size(os.path.join(staging.staging, name))
+        actual = store.size(store.join(staging.staging, name))
         if actual is None:
             raise CheckpointError(
                 f"rank {rec['rank']} wrote {name} but the coordinator (rank 0) cannot see it in "
@@ -531,15 +560,13 @@ def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[Write
         "save_id": meta.save_id, "modules": [str(x) for x in (meta.modules or [])],
     }
     doc = dcp_document(entries, metadata.planner_data, storage_meta, metadata.version)
-    dcp_path = os.path.join(staging.staging, DCP_FILE)
-    fd = os.open(dcp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(doc)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if store.renames:  # a file in the staging directory, published with it by the rename
+        raw_doc = encode_document(doc)
+        _write_new(os.path.join(staging.staging, DCP_FILE), raw_doc)
+        info: dict[str, Any] = {"file": DCP_FILE, "size": len(raw_doc), "xxh3_128": xxhash.xxh3_128_hexdigest(raw_doc)}
+    else:  # inside the manifest, whose PUT is the commit (see format.dcp_layout)
+        info = {"inline": doc}
+    info["dcp_version"] = metadata.version
     now = time.time()
     man = {
         "format": FORMAT,
@@ -550,9 +577,7 @@ def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[Write
         "created_unix": now,
         "safeckpt_version": __version__,
         "torch_version": torch.__version__,
-        "metadata": {**user, MANIFEST_KEY: {"file": DCP_FILE, "size": len(doc),
-                                            "xxh3_128": xxhash.xxh3_128_hexdigest(doc),
-                                            "dcp_version": metadata.version}},
+        "metadata": {**user, MANIFEST_KEY: info},
         "metrics": {},
         "files": files,
         "objects": objects,
@@ -561,16 +586,27 @@ def _commit_save(staging: _Staging, metadata: Metadata, results: list[list[Write
     raw = encode_manifest(man)
     parse_manifest(raw, staging.staging)  # what is published must read back: validate it first
     target = staging.path
-    if not overwrite and os.path.isdir(target) and not os.path.islink(target):
+    if store.renames and not overwrite and os.path.isdir(target) and not os.path.islink(target):
         try:
             os.rmdir(target)  # the empty directory _begin let through
         except OSError:
             raise CheckpointExists(
                 f"{target} appeared while saving (another job writing the same path?); nothing was replaced."
             ) from None
-    _commit.commit(PosixStorage(), target, {"path": staging.staging, "token": staging.token}, raw,
+    _commit.commit(store, target, {"path": staging.staging, "token": staging.token}, raw,
                    overwrite=overwrite, files=files)
-    fsync_dir(os.path.dirname(target) or ".")
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """A new local file holding ``data``, fsynced (the staging directory is fsynced at publish)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _numel(size: Any) -> int:
@@ -581,14 +617,18 @@ def _numel(size: Any) -> int:
 
 
 # ----------------------------------------------------------------------------- reader
-class StorageReader(_dcp.StorageReader):
+class StorageReader(_OnStorage, _dcp.StorageReader):
     """DCP storage reader for checkpoints written by :class:`StorageWriter`: validates the
     manifest and DCP metadata (JSON), verifies every chunk's xxh3-64 before copying it into the
-    caller's tensors (``verify_checksums=False`` skips that), and unpickles nothing."""
+    caller's tensors (``verify_checksums=False`` skips that), and unpickles nothing.
+    ``storage_options`` and ``timeout``: as for :class:`StorageWriter`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify_checksums: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify_checksums: bool = True,
+                 storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        self.path = _local_path(path, "safeckpt.dcp.StorageReader")
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.timeout = timeout
+        self._at(path)
         self.verify_checksums = verify_checksums
         self.rank = 0
         self.is_coordinator = False
@@ -603,13 +643,13 @@ class StorageReader(_dcp.StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _local_path(checkpoint_id, "safeckpt.dcp.StorageReader")
+            self._at(checkpoint_id)
         self._error = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return not is_remote(os.fspath(checkpoint_id)) and os.path.isfile(
-            os.path.join(os.fspath(checkpoint_id), DCP_FILE))
+        path = os.fspath(checkpoint_id)
+        return is_remote(path) or os.path.isfile(os.path.join(path, DCP_FILE))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP swallows an Exception raised here into "metadata is None" (AssertionError); the
@@ -622,16 +662,18 @@ class StorageReader(_dcp.StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        man = open_manifest(self.path)
+        man = open_manifest(self.path, self.storage())
         info = (man.get("metadata") or {}).get(MANIFEST_KEY)
         if not isinstance(info, dict):
             raise CheckpointError(
                 f"{self.path} is a safeckpt checkpoint written by safeckpt.save, not through "
                 "torch.distributed.checkpoint: load it with safeckpt.load (or read_state_dict)"
             )
-        raw = self._read_dcp_file(info)
-        where = os.path.join(self.path, DCP_FILE)
-        doc = parse_dcp_document(raw, where, self.path, man)
+        if "inline" in info:
+            doc = check_dcp_document(info["inline"], f"{join(self.path, 'manifest.json')} ({MANIFEST_KEY})",
+                                     self.path, man)
+        else:
+            doc = parse_dcp_document(self._read_dcp_file(info), join(self.path, DCP_FILE), self.path, man)
         self._manifest = man
         sdm: dict[str, Any] = {}
         self._chunks, self._values = {}, {}
@@ -670,15 +712,21 @@ class StorageReader(_dcp.StorageReader):
         if not isinstance(size, int) or not isinstance(digest, str) or not 0 <= size <= MAX_DCP_FILE:
             raise CorruptCheckpoint(f"{self.path}/manifest.json: malformed '{MANIFEST_KEY}' metadata", path=self.path)
         path = safe_file_path(self.path, name)
-        fd = open_regular(path, self.path)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual != size:
-                raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}", path=self.path)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                raw = f.read(size + 1)
-        finally:
-            os.close(fd)
+        if is_remote(path):  # a checkpoint written on a filesystem, copied to an object store
+            got = self.storage().read(path, size + 1)
+            if got is None:
+                raise CorruptCheckpoint(f"{path} is missing", path=self.path)
+            raw = got
+        else:
+            fd = open_regular(path, self.path)
+            try:
+                actual = os.fstat(fd).st_size
+                if actual != size:
+                    raise CorruptCheckpoint(f"{path} has {actual} bytes, the manifest says {size}", path=self.path)
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    raw = f.read(size + 1)
+            finally:
+                os.close(fd)
         if len(raw) != size or xxhash.xxh3_128_hexdigest(raw) != digest:
             raise CorruptCheckpoint(f"checksum mismatch in {path}: it was damaged after the checkpoint was written",
                                     path=self.path)
@@ -700,23 +748,30 @@ class StorageReader(_dcp.StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._manifest is None:
             raise CheckpointError("safeckpt.dcp.StorageReader: read_data before read_metadata")
-        files: dict[str, MappedFile] = {}
+        work = []
+        needed: dict[str, list[tuple[int, int]]] = {}
+        for ri in plan.items:
+            if ri.type == LoadItemType.BYTE_IO:
+                continue
+            key = (ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))
+            c = self._chunks.get(key)
+            if c is None:
+                raise CorruptCheckpoint(f"{self.path} holds no chunk of {key[0]!r} at {list(key[1])}", path=self.path)
+            needed.setdefault(c["file"], []).append((c["start"], c["end"]))
+            work.append((ri, c))
+        store = self.storage()
+        files: dict[str, Any] = {}  # MappedFile, or RemoteFile on an object store
         try:
-            work = []
-            for ri in plan.items:
-                if ri.type == LoadItemType.BYTE_IO:
-                    continue
-                key = (ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))
-                c = self._chunks.get(key)
-                if c is None:
-                    raise CorruptCheckpoint(f"{self.path} holds no chunk of {key[0]!r} at {list(key[1])}", path=self.path)
-                if c["file"] not in files:
-                    size = self._manifest["files"][c["file"]]["size"]
-                    files[c["file"]] = MappedFile(safe_file_path(self.path, c["file"]), size)
-                work.append((ri, c))
+            for name, ranges in needed.items():
+                path = safe_file_path(self.path, name)
+                size = self._manifest["files"][name]["size"]
+                files[name] = MappedFile(path, size) if store.renames else store.open(path, size, self.path, ranges)
             # Targets first (resolving writes nothing), then every chunk verified, then copies:
             # nothing is copied from a damaged file. Hashing and reading release the GIL, so
             # both passes run on a few threads (a cold file is read while another is hashed).
+            # An object is fetched by concurrent ranged GETs already, and kept (up to a bound)
+            # for the copy: one thread there (its fetched windows are not shared across threads).
+            threads = _READ_THREADS if store.renames else 1
             jobs = []
             for ri, c in work:
                 target = planner.resolve_tensor(ri).detach()
@@ -730,8 +785,10 @@ class StorageReader(_dcp.StorageReader):
                 for ri, c in work:
                     if c["end"] > c["start"]:
                         seen.setdefault((c["file"], c["start"]), (ri, c))
-                _threaded([functools.partial(self._verify, files[c["file"]], ri, c) for ri, c in seen.values()])
-            _threaded([functools.partial(_copy_chunk, files[c["file"]], ri, c, target) for ri, c, target in jobs])
+                _threaded([functools.partial(self._verify, files[c["file"]], ri, c) for ri, c in seen.values()],
+                          threads)
+            _threaded([functools.partial(_copy_chunk, files[c["file"]], ri, c, target) for ri, c, target in jobs],
+                      threads)
             for ri, _, target in jobs:
                 planner.commit_tensor(ri, target)
             for ri in plan.items:
@@ -744,12 +801,14 @@ class StorageReader(_dcp.StorageReader):
         fut.set_result(None)
         return fut
 
-    def _verify(self, f: MappedFile, ri: Any, c: dict[str, Any]) -> None:
-        """Hash chunk ``c`` in place (through a read-only mapping: the bytes reach the page
-        cache once, for the copy that follows) and compare with its recorded xxh3-64."""
-        if f.hash_range_local(c["start"], c["end"], 64 << 20) != c["xxh3_64"]:
+    def _verify(self, f: Any, ri: Any, c: dict[str, Any]) -> None:
+        """Hash chunk ``c`` in place (a local file through a read-only mapping: the bytes reach
+        the page cache once, for the copy that follows; an object's fetched bytes are kept for
+        the copy) and compare with its recorded xxh3-64."""
+        hashed = (f.hash_range_local if isinstance(f, MappedFile) else f.hash_range)(c["start"], c["end"], 64 << 20)
+        if hashed != c["xxh3_64"]:
             raise CorruptCheckpoint(
-                f"checksum mismatch in {os.path.join(self.path, c['file'])} bytes "
+                f"checksum mismatch in {join(self.path, c['file'])} bytes "
                 f"{c['start']}-{c['end']} ({ri.storage_index.fqn!r}): the data is corrupt. "
                 "Load an older checkpoint.", path=self.path)
 
@@ -775,10 +834,10 @@ class StorageReader(_dcp.StorageReader):
         planner.load_bytes(ri, buf)
 
 
-def _copy_chunk(f: MappedFile, ri: Any, c: dict[str, Any], target: torch.Tensor) -> None:
+def _copy_chunk(f: Any, ri: Any, c: dict[str, Any], target: torch.Tensor) -> None:
     """Copy what ``ri`` asks of chunk ``c`` into ``target`` (already checked)."""
     dtype = torch_dtype(c["dtype"])
-    if (not any(ri.storage_offsets) and list(ri.lengths) == list(c["sizes"]) and target.is_cpu
+    if (isinstance(f, MappedFile) and not any(ri.storage_offsets) and list(ri.lengths) == list(c["sizes"]) and target.is_cpu
             and target.dtype == dtype and target.is_contiguous() and target.nbytes == c["end"] - c["start"] > 0):
         f.read_into(c["start"], _bytes_of(target))  # the whole chunk into a plain CPU tensor: preadv
         return
@@ -791,13 +850,13 @@ def _copy_chunk(f: MappedFile, ri: Any, c: dict[str, Any], target: torch.Tensor)
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def _threaded(tasks: list[Callable[[], None]]) -> None:
+def _threaded(tasks: list[Callable[[], None]], threads: int = _READ_THREADS) -> None:
     """Run I/O tasks (reads and hashes release the GIL) on a few threads; the first error wins."""
-    if len(tasks) < 2 or _READ_THREADS < 2:
+    if len(tasks) < 2 or threads < 2:
         for task in tasks:
             task()
         return
-    with ThreadPoolExecutor(min(_READ_THREADS, len(tasks)), thread_name_prefix="safeckpt-dcp-read") as pool:
+    with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix="safeckpt-dcp-read") as pool:
         for future in [pool.submit(task) for task in tasks]:
             future.result()
 

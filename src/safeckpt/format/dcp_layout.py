@@ -15,6 +15,11 @@ it) plus one file::
       rank-00000.safetensors   what rank 0 wrote (one file per rank that had tensor data)
       dcp_metadata.json        DCP's Metadata as JSON (never a pickle)
 
+On an object store (no directory rename: the manifest PUT is the commit) the document is not a
+separate object but ``metadata["safeckpt.dcp"]["inline"]`` in the manifest itself, so the one
+PUT publishes it, and retention, overwrite and ``safeckpt gc`` (which know the manifest and the
+token-named data objects) leave nothing behind.
+
 ``dcp_metadata.json``::
 
     {"format": "safeckpt-dcp", "format_version": 1, "dcp_version": "1.0.0",
@@ -234,8 +239,9 @@ def build_layout(fqns: list[str], tensor_fqns: set[str], values: Mapping[str, An
 
 
 def dcp_document(entries: dict[str, Any], planner_data: Any, storage_meta: dict[str, Any] | None,
-                 dcp_version: str | None) -> bytes:
-    doc = {
+                 dcp_version: str | None) -> dict[str, Any]:
+    """The document (a JSON tree): ``dcp_metadata.json`` as a file, or inline in the manifest."""
+    return {
         "format": DCP_FORMAT,
         "format_version": DCP_FORMAT_VERSION,
         "dcp_version": dcp_version,
@@ -243,22 +249,30 @@ def dcp_document(entries: dict[str, Any], planner_data: Any, storage_meta: dict[
         "planner_data": planner_data_json(planner_data),
         "storage_meta": storage_meta,
     }
+
+
+def encode_document(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 # ----------------------------------------------------------------------------- reading
 def parse_dcp_document(raw: bytes, where: str, ckpt: str, man: dict[str, Any]) -> dict[str, Any]:
     """Parse and validate ``dcp_metadata.json`` against its (validated) manifest ``man``."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpoint(f"{where}: not valid JSON ({exc})", path=ckpt) from None
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: nested too deeply", path=ckpt) from None
+    return check_dcp_document(doc, where, ckpt, man)
+
+
+def check_dcp_document(doc: Any, where: str, ckpt: str, man: dict[str, Any]) -> dict[str, Any]:
+    """Validate a parsed document (from the file, or inline in the manifest) against ``man``."""
 
     def bad(msg: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{where}: {msg}", path=ckpt)
 
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"not valid JSON ({exc})") from None
-    except RecursionError:
-        raise bad("nested too deeply") from None
     if not isinstance(doc, dict) or doc.get("format") != DCP_FORMAT:
         raise bad("not a safeckpt.dcp metadata document")
     if doc.get("format_version") != DCP_FORMAT_VERSION:
