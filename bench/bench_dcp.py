@@ -7,6 +7,12 @@ Same run, same state, interleaved repetitions (median reported), for world sizes
   is written once);
 - fsdp2: an nn.Sequential of Linear layers sharded with ``fully_shard`` over all ranks.
 
+Each repetition runs both (save then load) back to back, the order alternating from one
+repetition to the next (safeckpt first in even ones), so neither always runs on a machine the
+other just warmed or loaded; the ratio reported is the median of the per-repetition ratios (and
+the medians of the times are shown too). The development VM is shared and noisy: compare
+ratios within one run, not times across runs.
+
 Saves go to a fresh directory under --dir each time (removed after the load that follows).
 Before each load the checkpoint's files are dropped from the page cache (fsync, then
 POSIX_FADV_DONTNEED), so both loads read from the disk: safeckpt's writer drops what it wrote
@@ -72,6 +78,24 @@ def _evict(path: str) -> None:
             os.close(fd)
 
 
+def _timed_writer(cls: type, phases: dict[str, list[float]]) -> type:
+    """``cls`` with each DCP hook timed into ``phases`` (--phases: where a save's time goes)."""
+
+    def timed(name: str):
+        hook = getattr(cls, name)
+
+        def run(self, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return hook(self, *a, **kw)
+            finally:
+                phases.setdefault(f"{name}", []).append(time.perf_counter() - t0)
+        return run
+
+    hooks = ("prepare_local_plan", "prepare_global_plan", "write_data", "finish")
+    return type(f"Timed{cls.__name__}", (cls,), {h: timed(h) for h in hooks})
+
+
 def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -82,13 +106,16 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     results: dict[str, list[float]] = {}
+    phases: dict[str, list[float]] = {}
+    writer_cls = _timed_writer(safeckpt.dcp.StorageWriter, phases) if args["phases"] else safeckpt.dcp.StorageWriter
     try:
         for kind in args["kinds"]:
             state, _model = _state(kind, args["size_mib"], world)
             for rep in range(args["reps"]):
-                for impl in ("safeckpt", "filesystem"):
+                order = ("safeckpt", "filesystem") if rep % 2 == 0 else ("filesystem", "safeckpt")
+                for impl in order:
                     path = os.path.join(args["dir"], f"w{world}-{kind}-{impl}-{rep}")
-                    writer = (safeckpt.dcp.StorageWriter(path) if impl == "safeckpt"
+                    writer = (writer_cls(path) if impl == "safeckpt"
                               else dcp.FileSystemWriter(path))
                     reader = (safeckpt.dcp.StorageReader(path) if impl == "safeckpt"
                               else dcp.FileSystemReader(path))
@@ -110,6 +137,9 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
                         shutil.rmtree(path, ignore_errors=True)
                     dist.barrier()
             del state, _model
+            for name, times in phases.items():
+                results[f"{kind} safeckpt phase {name}"] = times
+            phases.clear()
         queue.put((rank, results))
     finally:
         dist.destroy_process_group()
@@ -137,21 +167,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/bench-dcp")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", help="also write the results as JSON here")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each hook of safeckpt's writer (rank 0's median per save)")
     a = ap.parse_args(argv)
     os.makedirs(a.dir, exist_ok=True)
     args = {"size_mib": a.size_mib, "reps": a.reps, "dir": a.dir, "kinds": a.kinds.split(","),
-            "timeout": a.timeout}
+            "timeout": a.timeout, "phases": a.phases}
     table = {}
-    print(f"{a.size_mib} MiB, median of {a.reps}, seconds (ratio: FileSystem time / safeckpt time; >1: safeckpt faster)")
+    print(f"{a.size_mib} MiB, median of {a.reps} interleaved repetitions, seconds (ratio: median of the "
+          "per-repetition FileSystem time / safeckpt time; >1: safeckpt faster)")
     for world in (int(w) for w in a.worlds.split(",")):
         res = run_world(world, args)
         for kind in args["kinds"]:
             for op in ("save", "load"):
-                ours = statistics.median(res[f"{kind} safeckpt {op}"])
-                theirs = statistics.median(res[f"{kind} filesystem {op}"])
-                table[f"world {world} {kind} {op}"] = {"safeckpt": ours, "filesystem": theirs}
+                mine, fs = res[f"{kind} safeckpt {op}"], res[f"{kind} filesystem {op}"]
+                ours, theirs = statistics.median(mine), statistics.median(fs)
+                ratio = statistics.median(f / m for m, f in zip(mine, fs, strict=True))
+                table[f"world {world} {kind} {op}"] = {"safeckpt": ours, "filesystem": theirs, "ratio": ratio,
+                                                       "safeckpt_runs": mine, "filesystem_runs": fs}
                 print(f"world {world}  {kind:10s} {op}:  safeckpt {ours:7.3f}  FileSystem {theirs:7.3f}  "
-                      f"ratio {theirs / ours:5.2f}", flush=True)
+                      f"ratio {ratio:5.2f}  (per run: {' '.join(f'{f / m:.2f}' for m, f in zip(mine, fs, strict=True))})",
+                      flush=True)
+            timed = {k.rsplit(" ", 1)[1]: v for k, v in res.items() if k.startswith(f"{kind} safeckpt phase ")}
+            if timed:
+                table[f"world {world} {kind} phases"] = timed
+                print(f"world {world}  {kind:10s} safeckpt save phases (rank 0, median s): "
+                      + "  ".join(f"{k} {statistics.median(v):.3f}" for k, v in timed.items()), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"size_mib": a.size_mib, "reps": a.reps, "results": table}, f, indent=1)
