@@ -37,9 +37,9 @@ def _worker(rank: int, world: int, root: str) -> dict:
     app.train(e, range(0, 1))
     b16 = f"{root}/b16"
 
-    # save_16bit_model: the pickle name refused on every rank, before anything is gathered
-    out["b16_bin"] = dist_harness.attempt(lambda: e.save_16bit_model(b16))
-    out["b16_bin_files"] = sorted(os.listdir(b16)) if os.path.isdir(b16) else []
+    # save_16bit_model: ranks naming different files refuse on every rank, before anything is gathered
+    out["b16_mismatch"] = dist_harness.attempt(lambda: e.save_16bit_model(b16, f"model{rank}.safetensors"))
+    out["b16_mismatch_files"] = sorted(os.listdir(b16)) if os.path.isdir(b16) else []
     # rank 0's write fails: every rank raises, nothing published
     real_plain = sds._save_plain
     if rank == 0:
@@ -62,6 +62,12 @@ def _worker(rank: int, world: int, root: str) -> dict:
         got = load_file(f"{b16}/model.safetensors")
         live = e.module.state_dict()
         out["b16_equal"] = sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in got)
+    # DeepSpeed's default name (pytorch_model.bin, what its own tests and HF-style loaders use):
+    # the weights torch.save'd as DeepSpeed does, published the same way (issue 22: no refusal)
+    out["b16_bin"] = dist_harness.attempt(lambda: e.save_16bit_model(b16))
+    if rank == 0:
+        got = torch.load(f"{b16}/pytorch_model.bin", weights_only=True)
+        out["b16_bin_equal"] = sorted(got) == sorted(live) and all(torch.equal(got[k], live[k]) for k in got)
     dist.barrier()
     out["b16_files"] = sorted(os.listdir(b16))
 
@@ -172,17 +178,18 @@ def test_every_entry_point_fails_on_every_rank(tmp_path):
 
 def _check(v: dict, rank: int) -> None:
     where = f"rank {rank}"
-    b = v["b16_bin"]
-    assert not b["ok"] and "CheckpointError" in b["mro"] and "model.safetensors" in b["msg"], (where, b)
-    assert v["b16_bin_files"] == [], (where, v["b16_bin_files"])
+    b = v["b16_mismatch"]
+    assert not b["ok"] and "RankMismatch" in b["mro"] and "model1.safetensors" in b["msg"], (where, b)
+    assert v["b16_mismatch_files"] == [], (where, v["b16_mismatch_files"])
     w = v["b16_write_fails"]
     assert not w["ok"] and "No space left" in w["msg"] and "rank 0" in w["msg"] and w["elapsed"] < PROMPT, (where, w)
     assert v["b16_after_fail"] == [], (where, v["b16_after_fail"])  # nothing published, no temp file
     r1 = v["b16_rank1_fails"]
     assert not r1["ok"] and "gather failed" in r1["msg"] and "rank 1" in r1["msg"] and r1["elapsed"] < PROMPT, (where, r1)
-    assert v["b16_ok"]["ok"] and v["b16_files"] == ["model.safetensors"], (where, v["b16_ok"], v["b16_files"])
+    assert v["b16_ok"]["ok"] and v["b16_bin"]["ok"], (where, v["b16_ok"], v["b16_bin"])
+    assert v["b16_files"] == ["model.safetensors", "pytorch_model.bin"], (where, v["b16_files"])
     if rank == 0:
-        assert v["b16_equal"]
+        assert v["b16_equal"] and v["b16_bin_equal"]
     t = v["tags_fail"]
     assert not t["ok"] and {"TagMismatch", "RankMismatch", "AssertionError"} <= set(t["mro"]), (where, t)
     assert "rank 0: 'r0'" in t["msg"] and "rank 1: 'r1'" in t["msg"], (where, t["msg"])

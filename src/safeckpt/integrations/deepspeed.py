@@ -263,8 +263,8 @@ class SafeckptCheckpointEngine(CheckpointEngine):
                            local=os.path.join(save_dir, own))
 
     def prepare_plain(self, save_dir: str, filename: str) -> None:
-        """Every rank, before ``save_16bit_model`` gathers anything: agree on the target and
-        refuse a pickle file name on every rank together."""
+        """Every rank, before ``save_16bit_model`` gathers anything: agree on the target (else
+        an error on every rank together, nothing gathered or written)."""
         path = os.path.join(resolve(save_dir), str(filename))
         coord = Coordinator(self.timeout, what=f"DeepSpeed save_16bit_model to {path}")
         asked = coord.run("agree-16bit", lambda: path, hint="Nothing was written.")
@@ -273,11 +273,6 @@ class SafeckptCheckpointEngine(CheckpointEngine):
                 "save_16bit_model: ranks were called with different targets ("
                 + "; ".join(f"rank {r}: {a}" for r, a in enumerate(asked))
                 + "); nothing was written. Pass the same save_dir and save_filename on every rank."
-            )
-        if not path.endswith(".safetensors"):
-            raise CheckpointError(
-                f"with safeckpt installed, save_16bit_model writes safetensors, not pickles: pass "
-                f"save_filename='model.safetensors' (got {os.path.basename(path)!r}); nothing was written"
             )
         self._plain = _Plain(coord, path)
 
@@ -424,27 +419,30 @@ def read_file(path: str) -> dict[str, Any]:
 
 
 def _save_plain(state_dict: Any, path: str, tmp: str) -> None:
-    """``save_16bit_model``'s weights as one plain safetensors file written to ``tmp`` and
-    fsynced (its caller renames it into place), or with ``tmp == path`` written next to it and
-    renamed at once."""
-    if not str(path).endswith(".safetensors"):
-        raise CheckpointError(
-            f"with safeckpt installed, save_16bit_model writes safetensors, not pickles: pass "
-            f"save_filename='model.safetensors' (got {os.path.basename(path)!r})"
-        )
-    from safetensors.torch import save_file
-
+    """``save_16bit_model``'s weights as one plain file written to ``tmp`` and fsynced (its
+    caller renames it into place), or with ``tmp == path`` written next to it and renamed at
+    once. A ``.safetensors`` name gets safetensors; any other name (DeepSpeed's default
+    ``pytorch_model.bin``) what DeepSpeed itself writes there, ``torch.save`` of the weights:
+    a file of tensors only, which ``torch.load(path, weights_only=True)`` and Hugging Face's
+    ``from_pretrained`` read without unpickling code. safeckpt never reads it back."""
     from ._deepspeed_tags import fsync_dir
 
-    seen: set[int] = set()
-    tensors = {}
-    for k, v in state_dict.items():
-        v = v.detach().cpu().contiguous()
-        tensors[k] = v.clone() if v.data_ptr() in seen else v  # tied weights: own bytes
-        seen.add(v.data_ptr())
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise CheckpointError(f"save_16bit_model: expected a dict of tensors for {path}")
     own_tmp = tmp == path
     out = f"{path}.tmp-{os.getpid()}" if own_tmp else tmp
-    save_file(tensors, out, metadata={"format": "pt"})
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        tensors = {}
+        for k, v in state_dict.items():
+            v = v.detach().cpu().contiguous()
+            tensors[k] = v.clone() if v.data_ptr() in seen else v  # tied weights: own bytes
+            seen.add(v.data_ptr())
+        save_file(tensors, out, metadata={"format": "pt"})
+    else:
+        torch.save(state_dict, out)
     with open(out, "rb+") as f:
         os.fsync(f.fileno())
     if own_tmp:
