@@ -15,14 +15,16 @@ DCP's planners still decide what is written (deduplication, resharding, ``get_st
 - ``prepare_local_plan`` (every rank) puts the rank's path in its plan; ``prepare_global_plan``
   (the coordinator, which sees every plan) compares them: ranks given different paths get
   :class:`~safeckpt.RankMismatch` (inside DCP's ``CheckpointException``, on every rank) before
-  anything is written. Otherwise it checks the target and creates one hidden staging
-  directory, whose name reaches every rank in the global plan.
+  anything is written. Otherwise it checks the target and prepares the staging place (one
+  hidden directory; on an object store, a token for the objects' names), which reaches every
+  rank in the global plan.
 - ``write_data`` (every rank) checks it sees that directory (bounded wait) and streams its
   items into one safetensors file there, hashing while writing (xxh3-64 per chunk, xxh3-128
   per file), fsynced. Non-tensor items are stored as JSON (never pickled).
 - ``finish`` (the coordinator, which gets every rank's results) checks every file is there
   with the size its rank wrote, writes DCP's Metadata as JSON and a safeckpt manifest, and
-  publishes the directory with one atomic rename. Before that nothing is visible at the path.
+  publishes the directory with one atomic rename (on an object store: the manifest's PUT,
+  which then also holds DCP's Metadata). Before that nothing is visible at the path.
 - :class:`StorageReader` validates manifest and metadata, verifies every chunk it reads
   against its checksum before copying anything into the caller's tensors, and unpickles nothing.
 
