@@ -2,7 +2,7 @@
 on 127.0.0.1) with s3fs, at 2 ranks (gloo), hard timeouts.
 
 - run A: an FSDP2 model + AdamW + plain values saved and loaded back at 2 ranks (and in this
-  process, 1 rank, into a plain model), async_save (thread mode), overwrite, and a
+  process, 1 rank, into a plain model), async_save (thread and process mode), overwrite, and a
   CheckpointManager root of DCP checkpoints with retention: what is left under each prefix
   is exactly the manifest and the data objects it names.
 - run B: rank 1 SIGKILLed after the first part of its multipart upload: nothing is visible at
@@ -105,6 +105,12 @@ def _run_a(rank: int, world: int, ep: str) -> dict:
     # async_save (thread mode) to another prefix, then overwrite=True of the first one.
     fut = dcp.async_save(state, storage_writer=safeckpt.dcp.StorageWriter("s3://dcp/run/async", storage_options=opts))
     fut.result(timeout=60)
+    # process mode: the writer crosses into DCP's background process (its storage does not)
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    fut = dcp.async_save({"model": msd}, storage_writer=safeckpt.dcp.StorageWriter("s3://dcp/run/proc", storage_options=opts),
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    fut.result(timeout=120)
     _train(model, opt)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "trainer": {"epoch": 4, "betas": (0.9, 0.99)}}
@@ -149,7 +155,7 @@ def test_dcp_on_s3_two_ranks_save_load_async_overwrite_manager(endpoint):
     # Each prefix holds its manifest and the data objects it names, nothing else (the DCP
     # metadata is inside the manifest: the overwrite and retention left no stray object).
     opts = s3_harness.options(endpoint)
-    for prefix in ("dcp/run/ckpt", "dcp/run/async", "dcp/mgr/step-0000000020"):
+    for prefix in ("dcp/run/ckpt", "dcp/run/async", "dcp/run/proc", "dcp/mgr/step-0000000020"):
         names = _objects(endpoint, prefix)
         info = safeckpt.verify(f"s3://{prefix}", storage_options=opts)
         assert info.ok, info
