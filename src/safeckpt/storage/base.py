@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from .._settings import resolve_timeout
 from ..errors import CheckpointError
 from ..format.locations import LOCAL_SCHEME, is_remote
+from .digest import FileDigest
 
 IO_SHARE = 0.75  # one storage call may take this share of the timeout, so a rank stuck in I/O
 # reports its error before its peers give up waiting for it (they wait the full timeout)
@@ -128,8 +129,12 @@ class Storage(ABC):
         the reader will probably need (a hint for stores where requests are costly)."""
 
     @abstractmethod
-    def hash(self, path: str, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-        """(size, xxh3-128) of the file at ``path``, streamed."""
+    def hash(self, path: str, progress: Callable[[int], None] | None = None,
+             spans: Sequence[tuple[int, int]] = ()) -> FileDigest:
+        """(size, xxh3-128, [xxh3-64 of each of ``spans``]) of the file at ``path``, all from
+        one streamed read (see ``safeckpt.storage.digest``): a deep verify checks the file and
+        every chunk in it without reading (on an object store, downloading) the bytes twice.
+        ``progress(n)`` is told about every n bytes read."""
 
     # ------------------------------------------------------------------ write
     @abstractmethod

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, CheckpointNotFound
 from ..format.manifest import MANIFEST, max_manifest_bytes, parse_manifest
 from ..format.shardfile import WrittenFile, stream_safetensors
 from .base import Item, Storage, StorageError
+from .digest import FileDigest
 from .ranged import RemoteFile, stream_hash
 
 INSTALL_HINT = (
@@ -219,11 +220,12 @@ class FsspecStorage(Storage):
                 return [self._call("cat_file", p, start=starts[0], end=ends[0])]
             return self._call("cat_ranges", [p] * len(starts), starts, ends, on_error="raise")
 
-    def hash(self, path: str, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    def hash(self, path: str, progress: Callable[[int], None] | None = None,
+             spans: Sequence[tuple[int, int]] = ()) -> FileDigest:
         size = self.size(path)
         if size is None:
             raise FileNotFoundError(path)
-        return size, stream_hash(self, path, size, progress)
+        return stream_hash(self, path, size, progress, spans=spans)
 
     # ------------------------------------------------------------------ write
     def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> WrittenFile:

@@ -29,6 +29,7 @@ import xxhash
 
 from ..errors import CorruptCheckpoint
 from ..format.shardfile import check_chunk, is_empty
+from .digest import FileDigest, StreamDigest
 
 READAHEAD = 4 << 20  # a small read fetches this much from its start
 KEEP = 512 << 20  # fetched windows kept per object (verified chunks are read again by the copy)
@@ -246,16 +247,18 @@ def _as_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return t.view(dtype).reshape(shape)
 
 
-def stream_hash(store: Any, path: str, size: int, progress: Any = None, window: int = 128 << 20) -> str:
-    """xxh3-128 of an object, fetched ``window`` bytes at a time in concurrent parts."""
-    h = xxhash.xxh3_128()
+def stream_hash(store: Any, path: str, size: int, progress: Any = None, window: int = 128 << 20,
+                spans: Sequence[tuple[int, int]] = ()) -> FileDigest:
+    """:meth:`Storage.hash` of an object: fetched ``window`` bytes at a time in concurrent
+    parts, each part hashed in order into the object's digest and its spans' (one download)."""
+    d = StreamDigest(spans)
     for lo in range(0, size, window):
         hi = min(lo + window, size)
         parts = split(lo, hi)
         for (plo, phi), data in zip(parts, store.fetch(path, [p[0] for p in parts], [p[1] for p in parts])):
             if len(data) != phi - plo:
                 raise CorruptCheckpoint(f"short read from {path} bytes {plo}-{phi}: the object changed while reading")
-            h.update(data)
+            d.update(data)
         if progress is not None:
             progress(hi - lo)
-    return h.hexdigest()
+    return d.result()
