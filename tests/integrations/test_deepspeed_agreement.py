@@ -1,6 +1,7 @@
 """DeepSpeed integration, issue 22 requirement 1 and 5: every refusal or error of an entry
 point (``save_checkpoint``, ``load_checkpoint``, ``save_16bit_model``) is raised on every rank,
-whichever rank failed, promptly (no rank returns while another raises, no hang); DeepSpeed's
+whichever rank failed, promptly (no rank returns while another raises, no hang), as DeepSpeed's
+own exception when DeepSpeed's code failed on every rank; DeepSpeed's
 ``tag_validation`` modes; DeepSpeed's own ``zero_to_fp32`` functions on safeckpt tags; the
 export CLI's one-line errors. One 2-rank launch (gloo, CPU, ZeRO-2) holds every check, and a
 rank killed inside ``save_16bit_model`` ends it.
@@ -89,6 +90,11 @@ def _worker(rank: int, world: int, root: str) -> dict:
     if rank == 1:
         f._load_checkpoint = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("load failed (injected)"))
     out["load_rank1"] = dist_harness.attempt(lambda: f.load_checkpoint(d))
+    # ... and on every rank (DeepSpeed refusing, e.g. another DP size): DeepSpeed's own type, as stock
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    f._load_checkpoint = lambda *a, **k: (_ for _ in ()).throw(ZeRORuntimeException("refused (injected)"))
+    out["load_all"] = dist_harness.attempt(lambda: f.load_checkpoint(d))
     f.__dict__.pop("_load_checkpoint", None)
     path, _ = f.load_checkpoint(d)
     out["load_after"] = (os.path.basename(os.path.dirname(path)), app.differences(snap, app.snapshot(f)))
@@ -199,6 +205,8 @@ def _check(v: dict, rank: int) -> None:
     assert v["good"]["ok"], (where, v["good"])
     ld = v["load_rank1"]
     assert not ld["ok"] and "load failed" in ld["msg"] and "rank 1" in ld["msg"] and ld["elapsed"] < PROMPT, (where, ld)
+    la = v["load_all"]
+    assert not la["ok"] and la["type"] == "ZeRORuntimeException" and la["elapsed"] < PROMPT, (where, la)
     assert v["load_after"] == ["good", []], (where, v["load_after"])
     for mode in ("WARN", "IGNORE"):
         m = v[mode]

@@ -63,6 +63,7 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFound,
     CorruptCheckpoint,
+    RankFailure,
     RankMismatch,
     SafeckptWarning,
 )
@@ -602,7 +603,8 @@ def _save_checkpoint_method(self: Any, save_dir: str, tag: Any = None, client_st
             # DeepSpeed raised here before commit: the other ranks may be waiting in commit, so
             # finish it with this error (raised on every rank, staging removed).
             ce._save.error = ce._save.error or exc
-            ce.commit(None)  # type: ignore[arg-type]
+            with _deepspeeds_own_error():
+                ce.commit(None)  # type: ignore[arg-type]
         raise
     finally:
         ce._save = None
@@ -623,7 +625,8 @@ def _save_16bit_model_method(self: Any, save_dir: str, save_filename: str = "pyt
             # raised here before commit (in the gather, or rank 0's write): tell the others,
             # who wait in commit, and raise the same error everywhere
             ce._plain.error = ce._plain.error or exc
-            ce.commit(None)  # type: ignore[arg-type]
+            with _deepspeeds_own_error():
+                ce.commit(None)  # type: ignore[arg-type]
         raise
     finally:
         ce._plain = None
@@ -697,8 +700,9 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike[str], tag: str | No
 
         try:
             # DeepSpeed's own load, then one exchange: an error on any rank is raised on all
-            coord.run("apply", apply, hint=f"DeepSpeed failed to apply tag {cand}; the engine may be "
-                      "partly loaded on some ranks: load again before training.")
+            with _deepspeeds_own_error():
+                coord.run("apply", apply, hint=f"DeepSpeed failed to apply tag {cand}; the engine may "
+                          "be partly loaded on some ranks: load again before training.")
             return box["out"]
         finally:
             ce._cache.clear()
@@ -718,6 +722,30 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike[str], tag: str | No
     if tag is not None:
         raise CheckpointNotFound(f"no tag {tag!r} under {load_dir}", path=load_dir)
     return None, None
+
+
+@contextlib.contextmanager
+def _deepspeeds_own_error() -> Iterator[None]:
+    """When DeepSpeed's own code failed on every rank (a refusal such as loading a ZeRO
+    checkpoint with another data-parallel size, ``ZeRORuntimeException``), every rank raises
+    DeepSpeed's exception, as it would without safeckpt, so code catching its type keeps
+    working; a note names the failing ranks. When only some ranks failed, every rank raises the
+    same ``RankFailure`` naming them."""
+    try:
+        yield
+    except RankFailure as err:
+        own = err.__cause__
+        if (isinstance(own, Exception) and not isinstance(own, CheckpointError)
+                and sorted(err.failures) == list(range(_world_size()))):
+            own.add_note(f"(safeckpt: {err})")
+            raise own from None
+        raise
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @contextlib.contextmanager
