@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 import safeckpt
 from safeckpt import convert as _convert
+from safeckpt.convert.consolidate import _pieces
 from tests import dist_harness
 from tests.test_sharded import (
     _fsdp,
@@ -315,7 +316,7 @@ def test_pieces_tile_memory_in_order(shape, limit):
     """Consolidation pieces are consecutive byte ranges covering the tensor exactly once."""
     full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     got = []
-    for offsets, sizes in _convert._pieces(shape, 4, limit):
+    for offsets, sizes in _pieces(shape, 4, limit):
         idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         piece = full[idx]
         assert piece.numel() * 4 <= max(limit, 4) or len(shape) == 0

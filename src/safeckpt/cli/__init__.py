@@ -412,7 +412,7 @@ def _bytes_progress(advance: Advance | None) -> Callable[[int, int, str], None] 
 
 def _selected_nbytes(ckpt: str, only: str | None) -> int:
     """Tensor bytes that consolidate/export will write (raises early when ``only`` matches nothing)."""
-    from ..convert import _select
+    from ..convert.consolidate import _select
 
     man = open_manifest(ckpt, full=False)
     tensors, _ = _select(man, only)
