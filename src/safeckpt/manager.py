@@ -124,39 +124,18 @@ class CheckpointManager:
     def _coord(self, purpose: str = "main", what: str = "checkpoint") -> Coordinator:
         return Coordinator(self.timeout, purpose=purpose, what=what)
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True,
-                deep: bool = False) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                strict: bool = True) -> int | None:
         """Load the newest committed checkpoint that loads cleanly (or ``step``) into ``state``.
 
         Returns its step, or None when the root holds no checkpoint (a fresh run). A checkpoint
         that fails verification is skipped with a warning naming the reason, on every rank
         together; if every one fails, CorruptCheckpoint is raised rather than starting fresh.
-
-        ``deep=True`` checks every byte of a candidate's data (on the coordinator) before
-        loading it, so a checkpoint is picked only if all of it verifies, not just the entries
-        ``state`` asks for: for callers that load ``state`` (a few entries) now and the rest
-        later, and must not pick a checkpoint whose other entries are damaged.
         """
         self._check_open()
         self.wait()
         coord = self._coord(what=f"restore from {self.root}")
-        def pick(asked: list[dict[str, Any]]) -> dict[str, Any] | None:
-            """Coordinator: one root and step everywhere, then the candidates, newest first."""
-            for field, what in (("root", "roots"), ("step", "steps")):
-                bad = [r for r, a in enumerate(asked) if a[field] != asked[0][field]]
-                if bad:
-                    # Rank 0 picks for everyone: a rank with another root would load rank 0's choice.
-                    raise RankMismatch(
-                        f"restore: ranks asked for different {what}, nothing was loaded: rank 0: "
-                        f"{asked[0][field]!r}, " + ", ".join(f"rank {r}: {asked[r][field]!r}" for r in bad[:20])
-                        + ". Every rank must create its CheckpointManager with the same root and call "
-                        "restore with the same step."
-                    )
-            return self._pick(step, True)
-
-        picked = coord.decide("pick", lambda: {"root": self.root, "step": step}, pick)
-        for note in picked["warnings"]:
-            warnings.warn(note, SafeckptWarning, stacklevel=2)
+        picked = self._agreed_pick(coord, step)
         # Damaged history counts: if nothing loads, raise rather than report a fresh run.
         reasons = list(picked.get("damaged", []))
         if step is not None and not picked["candidates"] and not reasons:
@@ -164,11 +143,6 @@ class CheckpointManager:
         live_frozen = _frozen.has_frozen(state)
         for cand_step, path in picked["candidates"]:
             try:
-                if deep:
-                    problems = coord.decide("deep-verify", lambda: None, lambda _, p=path: verify_on(
-                        self._store, p, deep=True).problems)
-                    if problems:
-                        raise CorruptCheckpoint(f"{path}: " + "; ".join(problems[:5]), path=path)
                 target = None
                 if live_frozen:
                     target = _frozen.for_load(state, coord.decide("layout", lambda: None, lambda _, p=path: (
@@ -195,6 +169,42 @@ class CheckpointManager:
                 "history exists):\n  " + "\n  ".join(reasons), path=self.root,
             )
         return None
+
+    def _agreed_pick(self, coord: Coordinator, step: int | None) -> dict[str, Any]:
+        """One exchange: the same root and step on every rank, then the coordinator's
+        candidates (newest first, past the cheap checks) for all; warnings shown here."""
+        def pick(asked: list[dict[str, Any]]) -> dict[str, Any] | None:
+            for field, what in (("root", "roots"), ("step", "steps")):
+                bad = [r for r, a in enumerate(asked) if a[field] != asked[0][field]]
+                if bad:
+                    # Rank 0 picks for everyone: a rank with another root would load rank 0's choice.
+                    raise RankMismatch(
+                        f"restore: ranks asked for different {what}, nothing was loaded: rank 0: "
+                        f"{asked[0][field]!r}, " + ", ".join(f"rank {r}: {asked[r][field]!r}" for r in bad[:20])
+                        + ". Every rank must create its CheckpointManager with the same root and call "
+                        "restore with the same step."
+                    )
+            return self._pick(step, True)
+
+        picked = coord.decide("pick", lambda: {"root": self.root, "step": step}, pick)
+        for note in picked["warnings"]:
+            warnings.warn(note, SafeckptWarning, stacklevel=3)
+        return picked
+
+    def resume_candidates(self, step: int | None = None) -> tuple[list[tuple[int, str]], list[str]]:
+        """The checkpoints :meth:`restore` would try, newest first, and why others were skipped
+        (collective; the same answer on every rank). For callers whose load runs inside a
+        framework's own flow (the Hugging Face Trainer): they load a candidate with one
+        collective load, take the next one if it raises CorruptCheckpoint (a load checks every
+        byte it reads and changes nothing on failure), and call :meth:`mark_restored`."""
+        self._check_open()
+        self.wait()
+        picked = self._agreed_pick(self._coord(what=f"restore from {self.root}"), step)
+        return [(int(s), p) for s, p in picked["candidates"]], list(picked.get("damaged", []))
+
+    def mark_restored(self, step: int) -> None:
+        """``step`` was restored (by a caller of :meth:`resume_candidates`): retention keeps it."""
+        self._restored = step
 
     def _pick(self, step: int | None, is_coordinator: bool) -> dict[str, Any] | None:
         if not is_coordinator:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -149,6 +150,14 @@ def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path
 
     from accelerate.state import AcceleratorState, GradientState
 
+    # the same resume taken directly from checkpoint-2 (a copy), for comparison
+    direct = str(tmp_path / "direct")
+    shutil.copytree(out, direct)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    d = cls(model=tiny.model(), args=_args(direct, max_steps=6), train_dataset=tiny.TokenData(16, 1))
+    d.train(resume_from_checkpoint=os.path.join(direct, "checkpoint-2"))
+
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     t = cls(model=tiny.model(), args=_args(out, max_steps=6), train_dataset=tiny.TokenData(16, 1))
@@ -159,6 +168,12 @@ def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path
     assert t.state.global_step == 6
     # resumed from step 2: its log history holds steps 1-2 from the checkpoint, then 3-6
     assert [h["step"] for h in t.state.log_history if "loss" in h] == [1, 2, 3, 4, 5, 6]
+    # The fallback ran Trainer's loop again after the damaged checkpoint's load failed: it left
+    # no trace (same losses, bit for bit, and the same weights as the direct resume).
+    assert [h["loss"] for h in t.state.log_history if "loss" in h] == \
+        [h["loss"] for h in d.state.log_history if "loss" in h]
+    for a, b in zip(t.model.state_dict().values(), d.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
     assert os.path.basename(get_last_checkpoint(out)) == "checkpoint-6"
 
     AcceleratorState._reset_state(True)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
 import torch
 
-from ..errors import CheckpointError, IncompatibleCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from ..rng import RNGState
 
 TRAINER_DIRNAME = "checkpoint-{step}"     # transformers' PREFIX_CHECKPOINT_DIR + "-N"
@@ -241,6 +241,35 @@ def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float |
     return info
 
 
+def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None, where: str) -> dict[str, Any]:
+    """The JSON entries ``names`` of the checkpoint at ``path``, from its manifest alone (no
+    tensor file is opened): rank 0 reads it, every rank gets the same trees (one exchange).
+    Raises on every rank: CheckpointNotFound or CorruptCheckpoint (the checkpoint's fault),
+    IncompatibleCheckpoint (an entry missing, or holding tensors)."""
+    from .._reader import open_manifest
+    from ..coord.dist import Coordinator
+    from ..format.tree import decode, tensor_keys
+    from ..storage.base import resolve, storage_for
+
+    ckpt = resolve(path)
+
+    def read(_: Any) -> dict[str, Any]:
+        objects = open_manifest(ckpt, storage_for(ckpt, timeout=timeout), full=False)["objects"]
+        out = {}
+        for name in names:
+            if name not in objects:
+                raise IncompatibleCheckpoint(f"{where}: checkpoint {path} holds no {name!r} entry "
+                                             f"(entries: {sorted(objects)[:20]})")
+            tree = objects[name].get("tree")
+            if next(iter(tensor_keys(tree)), None) is not None:
+                raise IncompatibleCheckpoint(f"{where}: entry {name!r} of {path} holds tensors")
+            out[name] = tree
+        return out
+
+    trees = Coordinator(timeout, what=f"{where} from {ckpt}").decide("read-head", lambda: None, read)
+    return {name: decode(tree, lambda key: None) for name, tree in trees.items()}
+
+
 def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool = True,
                     timeout: float | None = None) -> Any:
     """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
@@ -358,12 +387,16 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
         from ..coord.dist import Coordinator
 
         # on safeckpt's own group, as JSON (never the job's group, never pickle)
-        error = None if local is None else f"{type(local).__name__}: {local}"
+        error = None if local is None else [f"{type(local).__name__}: {local}",
+                                            isinstance(local, CorruptCheckpoint)]
         errors = Coordinator(what=where).run("agree-all", lambda: error)
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         if bad and local is None:
-            raise CheckpointError(f"{where} failed on " + "; ".join(f"rank {r}: {e}" for r, e in bad)
-                                  + f" (rank {dist.get_rank()} stops too; nothing was written)")
+            # damage found by some ranks is the checkpoint's fault on every rank (a resume then
+            # falls back together)
+            cls = CorruptCheckpoint if all(e[1] for _, e in bad) else CheckpointError
+            raise cls(f"{where} failed on " + "; ".join(f"rank {r}: {e[0]}" for r, e in bad)
+                      + f" (rank {dist.get_rank()} stops too; nothing was written)")
     if local is not None:
         raise local
     return out

@@ -59,6 +59,11 @@ FORMAT = "safeckpt.hf.trainer/1"
 _EXTRA_OK = re.compile(r"^(?!rank-)(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
+class _Damaged(Exception):
+    """The resume's load found the picked checkpoint damaged on every rank (nothing was
+    changed): train() takes the next older one."""
+
+
 class _Hooks:
     """Agreed preemption and the sampler restore, at the moments Trainer offers callbacks.
 
@@ -250,19 +255,21 @@ class SafeckptTrainerMixin(Trainer):
     # ------------------------------------------------------------------ train / resume
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
-        """Trainer.train; ``resume_from_checkpoint=True`` takes the newest valid checkpoint
-        under the root (chosen once for all ranks), a path takes that checkpoint."""
+        """Trainer.train; ``resume_from_checkpoint=True`` takes the newest checkpoint under the
+        root that loads (chosen once for all ranks), a path takes that checkpoint."""
         if trial is not None:
             raise CheckpointError("safeckpt's Trainer integration does not support "
                                   "hyperparameter search trials")
         self.safeckpt_preempted = False
-        self._safeckpt_manager()
-        tmp = None
+        mgr = self._safeckpt_manager()
         try:
-            if resume_from_checkpoint not in (None, False):
-                tmp = self._safeckpt_prepare_resume(resume_from_checkpoint)
-            out = super().train(resume_from_checkpoint=tmp, trial=trial,
-                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            if resume_from_checkpoint in (None, False):
+                out = self._safeckpt_train(None, None, False, trial, ignore_keys_for_eval, kwargs)
+            elif resume_from_checkpoint is True:
+                out = self._safeckpt_train_newest(mgr, trial, ignore_keys_for_eval, kwargs)
+            else:  # links of earlier versions: to step-N
+                path = os.path.realpath(os.fspath(resume_from_checkpoint))
+                out = self._safeckpt_train(path, None, False, trial, ignore_keys_for_eval, kwargs)
             if (self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None
                     and self._safeckpt_mgr is not None and not self.safeckpt_preempted):
                 # Trainer, at the end of training: with save_total_limit=1 only the best remains.
@@ -274,43 +281,64 @@ class SafeckptTrainerMixin(Trainer):
                     self._safeckpt_rotation.final = False
             return out
         finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
             self._safeckpt_resume = None
             mgr, self._safeckpt_mgr = self._safeckpt_mgr, None
             if mgr is not None:
                 mgr.close()
 
-    def _safeckpt_prepare_resume(self, resume: str | bool) -> str:
-        """Pick the checkpoint (collectively), read TrainerState and side files from it, and
-        write them to a private directory that Trainer.train() reads as usual."""
-        mgr = self._safeckpt_manager()
-        head: dict[str, Any] = {"trainer_state": {}, "side_files": {}, "safeckpt": {}}
-        if resume is True:
-            # deep: every byte of the pick verifies, not only the entries read now (the rest is
-            # loaded after prepare(), when falling back to an older checkpoint is too late)
-            step = mgr.restore(head, strict=False, deep=True)
-            if step is None:
-                raise CheckpointNotFound(
-                    f"resume_from_checkpoint=True but {self.safeckpt_root_dir} holds no committed "
-                    "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
-                    path=self.safeckpt_root_dir,
-                )
-            path = self._safeckpt_committed_dir(step)
-            if path is None:  # deleted since the pick: fail loudly
-                raise CheckpointError(f"restored step {step} but no directory of it exists under "
-                                      f"{self.safeckpt_root_dir}")
-        else:
-            path = os.path.realpath(os.fspath(resume))  # links of earlier versions: to step-N
+    def _safeckpt_train_newest(self, mgr: CheckpointManager, trial: Any, ignore: Any,
+                               kwargs: dict[str, Any]) -> Any:
+        """Trainer.train from the newest checkpoint that loads. The load is one collective load
+        of everything, inside Trainer's flow (after it built the optimizer); if it finds damage
+        (CorruptCheckpoint on every rank: nothing was changed), train() runs again from the next
+        older checkpoint, as Trainer's own retries (auto_find_batch_size) rerun its loop."""
+        candidates, reasons = mgr.resume_candidates()
+        if not candidates and not reasons:
+            raise CheckpointNotFound(
+                f"resume_from_checkpoint=True but {self.safeckpt_root_dir} holds no committed "
+                "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
+                path=self.safeckpt_root_dir,
+            )
+        for step, path in candidates:
             try:
-                common.load_entries(path, head, timeout=self.safeckpt_timeout, where="resume")
-            except CheckpointNotFound as exc:
-                raise CheckpointNotFound(
-                    f"{path} is not a committed safeckpt checkpoint ({exc}). Trainer-format "
-                    "checkpoints (checkpoint-N) cannot be resumed by the safeckpt integration; "
-                    "convert the model with `safeckpt convert` or start fresh.", path=path,
-                ) from exc
-        meta = head["safeckpt"]
+                return self._safeckpt_train(path, step, True, trial, ignore, kwargs)
+            except _Damaged as exc:
+                reasons.append(f"step {step}: {exc}")
+                warnings.warn(f"checkpoint step {step} at {path} is corrupt, falling back to an "
+                              f"older one: {exc}", SafeckptWarning, stacklevel=3)
+        raise CorruptCheckpoint(
+            f"no checkpoint under {self.safeckpt_root_dir} could be loaded (refusing to start fresh "
+            "when history exists):\n  " + "\n  ".join(reasons), path=self.safeckpt_root_dir)
+
+    def _safeckpt_train(self, path: str | None, step: int | None, fallback: bool, trial: Any,
+                        ignore: Any, kwargs: dict[str, Any]) -> Any:
+        tmp = self._safeckpt_prepare_resume(path, step, fallback) if path is not None else None
+        try:
+            return super().train(resume_from_checkpoint=tmp, trial=trial,
+                                 ignore_keys_for_eval=ignore, **kwargs)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._safeckpt_resume = None
+
+    def _safeckpt_prepare_resume(self, path: str, step: int | None, fallback: bool) -> str:
+        """Read TrainerState and side files of the checkpoint at ``path`` from its manifest (no
+        tensor is read: the one load comes later, in _load_optimizer_and_scheduler) and write
+        them to a private directory that Trainer.train() reads as usual."""
+        try:
+            head = common.read_json_entries(path, ("trainer_state", "side_files", "safeckpt"),
+                                            timeout=self.safeckpt_timeout, where="resume")
+        except (CorruptCheckpoint, CheckpointNotFound) as exc:
+            if fallback:
+                raise _Damaged(str(exc)) from exc
+            if isinstance(exc, CorruptCheckpoint):
+                raise
+            raise CheckpointNotFound(
+                f"{path} is not a committed safeckpt checkpoint ({exc}). Trainer-format "
+                "checkpoints (checkpoint-N) cannot be resumed by the safeckpt integration; "
+                "convert the model with `safeckpt convert` or start fresh.", path=path,
+            ) from exc
+        meta = head["safeckpt"] if isinstance(head["safeckpt"], dict) else {}
         if meta.get("format") != FORMAT:
             raise IncompatibleCheckpoint(f"{path} was not written by the safeckpt Trainer "
                                          f"integration (format {meta.get('format')!r})")
@@ -329,21 +357,8 @@ class SafeckptTrainerMixin(Trainer):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
         TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
-        self._safeckpt_resume = {"dir": tmp, "path": path}
+        self._safeckpt_resume = {"dir": tmp, "path": path, "step": step, "fallback": fallback}
         return tmp
-
-    def _safeckpt_committed_dir(self, step: int) -> str | None:
-        """Rank 0's answer for all: ``checkpoint-N`` or (written by earlier versions) ``step-N``."""
-        names = (common.TRAINER_DIRNAME, None)
-
-        def find() -> str | None:
-            for d in names:
-                p = common.step_dir(self.safeckpt_root_dir, step, d)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    return p
-            return None
-
-        return common.share_from_rank0(find)
 
     def _safeckpt_ours(self, checkpoint: str | None) -> bool:
         r = self._safeckpt_resume
@@ -382,7 +397,13 @@ class SafeckptTrainerMixin(Trainer):
                 f"cannot resume from {path}: it does not hold exactly what this Trainer saves "
                 f"(different model, optimizer, mixed precision or sampler setup?): {exc}"
             ) from exc
+        except (CorruptCheckpoint, CheckpointNotFound) as exc:
+            if self._safeckpt_resume["fallback"]:  # nothing was changed: an older one is next
+                raise _Damaged(str(exc)) from exc
+            raise
         self._safeckpt_sampler = state["sampler"]["seedable"]
+        if self._safeckpt_resume["step"] is not None and self._safeckpt_mgr is not None:
+            self._safeckpt_mgr.mark_restored(self._safeckpt_resume["step"])  # retention keeps it
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         self._safeckpt_ours(checkpoint)  # loaded with the optimizer
