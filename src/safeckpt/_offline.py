@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
+from ._extra import problems as extra_problems
 from ._reader import TensorReader, open_data_file, open_manifest
 from .errors import CheckpointError
 from .format.manifest import safe_file_path
@@ -92,17 +92,8 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
             f.close()
         if deep:
             problems += _deep_problems(store, ckpt, name, rec, by_file.get(name, []), progress)
-    for name, rec in sorted(man.get("extra", {}).items()):  # a framework's own files (format 3)
-        path = safe_file_path(ckpt, name)
-        size = store.size(path)
-        if size is None:
-            problems.append(f"missing file {name}")
-        elif size != rec["size"]:
-            problems.append(f"{name}: {size} bytes, the manifest says {rec['size']}")
-        elif deep:
-            data = store.read(path, size + 1)
-            if data is None or xxhash.xxh3_128_hexdigest(data) != rec["xxh3_128"]:
-                problems.append(f"{name}: checksum mismatch (corrupt data)")
+    # files beside the tensors (extra: a framework's own; written: a DeepSpeed engine's): see _extra
+    problems += extra_problems(store, ckpt, man, deep=deep)
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
 
 

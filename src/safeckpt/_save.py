@@ -39,7 +39,7 @@ import torch
 import xxhash
 from torch import nn
 
-from . import __version__
+from . import __version__, _extra
 from ._plan import plan_replicated
 from ._reader import local_box as _local_box
 from ._reader import placement_of
@@ -47,7 +47,7 @@ from ._staging import PendingCopies, copy_aside
 from .coord.dist import Coordinator
 from .errors import CheckpointError, RankMismatch
 from .format.fileindex import IndexBuilder
-from .format.manifest import FORMAT, FORMAT_VERSION, CheckpointInfo
+from .format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .format.manifest_text import dumps as manifest_dumps
 from .format.manifest_text import encode as encode_manifest_text
 from .format.shardfile import tensor_bytes
@@ -132,6 +132,9 @@ class _SaveJob:
         # directory, right after the manifest on object stores. Listed in the manifest's
         # "extra" with size and checksum (verify checks them).
         self.extra_files: dict[str, bytes] = {}
+        # Files every rank writes itself during the write phase (``_extra.WriteFiles``: a
+        # DeepSpeed engine's checkpoint), hashed by that rank, listed in the manifest's "written".
+        self.write_files: _extra.WriteFiles | None = None
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -477,6 +480,11 @@ class _SaveJob:
     # -------------------------------------------------------------------- write
     def _write(self, staging: dict[str, str] | None) -> dict[str, Any]:
         assert staging is not None, "finish() before agree()"
+        # First, before anything that could fail on this rank alone: the hook may run
+        # collectives of its own (a DeepSpeed save), which every rank must enter.
+        hooked = None
+        if self.write_files is not None:
+            hooked = _extra.records(staging["path"], self.write_files(staging["path"]))
         self._plan()
         assert self.plan is not None
         # Trees that differ from rank 0's (RNG states, data positions) go into this rank's index.
@@ -489,8 +497,11 @@ class _SaveJob:
                                   index=lambda names, spans: builder(names, spans, trees)),
             staging["path"],
         )
-        return {"file": fname, "size": written.size, "xxh3_128": written.xxh3_128,
-                "data": written.data_start, "index": list(written.index), "trees": bool(trees)}
+        report = {"file": fname, "size": written.size, "xxh3_128": written.xxh3_128,
+                  "data": written.data_start, "index": list(written.index), "trees": bool(trees)}
+        if hooked is not None:
+            report["written"] = hooked
+        return report
 
     def _commit(self, staging: dict[str, str] | None, written: list[dict[str, Any]]) -> dict[str, Any]:
         assert staging is not None and self.plan is not None
@@ -499,6 +510,10 @@ class _SaveJob:
         if self.extra_files:
             head["extra"] = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
                              for name, data in sorted(self.extra_files.items())}
+        if self.write_files is not None:  # one record per file, from the rank that wrote it
+            head["written"] = _extra.merge([w.get("written") for w in written],
+                                           {*files, *self.extra_files, MANIFEST}, self.store, staging["path"])
+        if self.extra_files:
             if self.store.renames:
                 for name, data in self.extra_files.items():
                     self.store.put(self.store.join(staging["path"], safe_extra_name(name)), data)

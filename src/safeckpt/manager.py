@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _frozen
 from ._async import AsyncSaver
+from ._extra import WriteFiles
 from ._frozen import check_frozen_mode
 from ._load import load
 from ._offline import verify_on
@@ -26,11 +27,24 @@ from ._save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
 from .coord.dist import Coordinator, resolve_timeout
 from .coord.lease import DEFAULT_LEASE, writer_lease
 from .coord.preempt import PreemptionWatcher
-from .errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
+from .errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    RankMismatch,
+    SafeckptWarning,
+)
 from .format.manifest import CheckpointInfo
 from .retention import RetentionPolicy
 from .storage.base import join, resolve, storage_for
-from .storage.catalog import DEFAULT_DIRNAME, committed, dirname_of, remove_entry, scan, sweep
+from .storage.catalog import (
+    DEFAULT_DIRNAME,
+    committed,
+    dirname_of,
+    remove_entry,
+    scan,
+    sweep,
+)
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -237,6 +251,7 @@ class CheckpointManager:
         *,
         metadata: Mapping[str, Any] | None = None,
         extra_files: Mapping[str, bytes] | None = None,
+        write_files: WriteFiles | None = None,
     ) -> CheckpointInfo | None:
         """Save ``state`` as ``step`` (collective). Returns its info, or None with async_save
         (the save then commits in the background; ``wait()`` returns its info).
@@ -244,11 +259,22 @@ class CheckpointManager:
         ``extra_files`` (name -> bytes; plain file names, not ``manifest.json`` nor ``rank-*``):
         files committed inside the checkpoint directory with it (a framework's own JSON, such
         as Trainer's ``trainer_state.json``), listed in the manifest with their checksum and
-        checked by verify. The coordinator's (rank 0's) mapping is the one written."""
+        checked by verify. The coordinator's (rank 0's) mapping is the one written.
+
+        ``write_files(staging_dir) -> [relative paths]`` (every rank; synchronous saves on a
+        filesystem only): files each rank writes itself into the checkpoint during the save,
+        such as a DeepSpeed engine's own checkpoint; each rank reports (and hashes) the paths it
+        returns, they are listed in the manifest and published with the same atomic rename, so a
+        rank killed while writing them leaves nothing visible (see ``safeckpt._extra``)."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # one save in flight; raises the previous background save's error
+        if write_files is not None and (self._saver is not None or not self._store.renames):
+            raise CheckpointError(
+                "write_files needs a synchronous save to a filesystem: the files are written inside "
+                "the save by every rank and published by its rename (not with async_save, not on "
+                "an object store)")
         extra = {}
         for name, data in (extra_files or {}).items():
             if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -259,6 +285,7 @@ class CheckpointManager:
         state = _frozen.for_save(state, self.frozen)
         job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
         job.extra_files = extra
+        job.write_files = write_files
         # Folded into the save's own two exchanges (the coordinator runs them): the lease and the
         # sweep before staging, retention after publishing.
         job.before_stage = lambda: self._begin(True)

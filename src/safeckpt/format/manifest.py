@@ -38,7 +38,7 @@ import xxhash
 
 from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from .locations import is_remote
-from .validate import check_manifest, check_manifest_v3
+from .validate import check_manifest, check_manifest_v3, is_written_name
 
 FORMAT = "safeckpt"
 FORMAT_VERSION = 3  # 2: manifest checksum (CHECKSUM_FIELD), escaped tensor keys; 3: chunks in per-file indexes
@@ -122,6 +122,18 @@ def safe_file_path(ckpt_dir: str, name: Any) -> str:
     if is_remote(ckpt_dir):
         return f"{ckpt_dir}/{name}"  # an object key: no links to follow
     return os.path.join(ckpt_dir, name)
+
+
+def written_file_path(ckpt_dir: str, name: Any) -> str:
+    """Resolve a file the manifest lists in ``written`` or ``extra`` (a relative path such as
+    ``global_step8/x.pt``), refusing anything that could leave ``ckpt_dir``
+    (see ``validate.is_written_name``)."""
+    if not is_written_name(name):
+        raise CorruptCheckpoint(f"manifest names an unsafe file {name!r:.200}; refusing to read it",
+                                path=ckpt_dir)
+    if is_remote(ckpt_dir):
+        return f"{ckpt_dir}/{name}"
+    return os.path.join(ckpt_dir, *name.split("/"))
 
 
 def open_regular(path: str, ckpt_dir: str) -> int:

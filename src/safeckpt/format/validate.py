@@ -27,6 +27,20 @@ KINDS = ("module", "stateful", "tensor", "tree")
 TAGS = ("@tensor", "@tuple", "@dict", "@float")
 _HEX = re.compile(r"^[0-9a-f]+$")
 _FLOAT_WORDS = ("inf", "-inf", "nan")
+_NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+MAX_WRITTEN_DEPTH = 16  # directory levels of a written file's name
+
+
+def is_written_name(name: object) -> bool:
+    """The name of a file the ranks wrote into a checkpoint themselves (manifest field
+    ``written``): a relative path of plain components (letters, digits, ``. _ -``, no leading
+    dot, no ``..``), not one of safeckpt's own files at the top (``manifest.json``, ``rank-*``)."""
+    if not isinstance(name, str) or len(name) > 1000:
+        return False
+    parts = name.split("/")
+    if len(parts) > MAX_WRITTEN_DEPTH or not all(_NAME_PART.match(p) and ".." not in p for p in parts):
+        return False
+    return parts[0] != "manifest.json" and not parts[0].startswith("rank-")
 
 
 class _Bad(Exception):
@@ -193,13 +207,22 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     if len(has_file) != world:
         missing = sorted(set(range(world)) - has_file)
         raise _Bad(f"no file of rank(s) {missing[:8]} of a {world}-rank save")
-    for name, rec in _dict(man.get("extra", {}), "'extra'").items():
+    extra = _dict(man.get("extra", {}), "'extra'")
+    for name, rec in extra.items():
         file_ok(name)
         if name in files:
             raise _Bad(f"extra file {name!r} is also a data file")
         rec = _dict(rec, f"extra file {name!r}")
         _int(rec.get("size"), f"size of extra file {name!r}")
         _hex(rec.get("xxh3_128"), f"checksum of extra file {name!r}", 32)
+    for name, rec in _dict(man.get("written", {}), "'written'").items():
+        if not is_written_name(name):
+            raise _Bad(f"written file name {name!r:.200} is not a relative path of plain names")
+        if name in files or name in extra:
+            raise _Bad(f"written file {name!r} is also a data or extra file")
+        rec = _dict(rec, f"written file {name!r}")
+        _int(rec.get("size"), f"size of written file {name!r}")
+        _hex(rec.get("xxh3_128"), f"checksum of written file {name!r}", 32)
     for r in _list(man.get("rank_trees", []), "'rank_trees'"):
         _int(r, "a rank in 'rank_trees'", 1, world - 1)
     sizes = []
