@@ -280,9 +280,10 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
     # Readers open only the files (format 3: the indexes) they need, so a forged inconsistency
     # confined to a file a 1-process read does not use (rank 1's index or per-rank copy, its
     # size) may load the original values bit-exact (diff checked below), as long as verify
-    # (which checks every file and index) refuses it.
+    # (which checks every file and index) refuses it. verify(deep=False) reads no tensor bytes,
+    # so for damaged chunk bytes (forged.data: rank 1's per-rank copy) only the deep one must.
     partial = (m.forged and not calls["verify_deep"].get("verified")
-               and not calls["verify_shallow"].get("verified"))
+               and (m.cls == "forged.data" or not calls["verify_shallow"].get("verified")))
     for name, c in calls.items():
         exc = c.get("exc")
         if exc and not exc["proper"]:

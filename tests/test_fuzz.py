@@ -92,3 +92,34 @@ def test_fuzzer_reaches_every_family(results: list[dict[str, Any]]) -> None:
     # can tell a loaded checkpoint from a refused one.
     assert any(r["mutant"]["cls"] == "manifest.benign" for r in by["BENIGN"])
     assert by["FORGED_LOADED"]
+
+
+def _forged_rank1_copy(verify_deep_ok: bool, read_diff: str | None) -> dict[str, Any]:
+    """Full run of 2026-11-26, seed 1, #2018 (``forged.data`` on ``fsdp.f2``): the bytes of
+    rank 1's per-rank copy of ``rng/numpy/key`` changed, the file checksum recomputed, the
+    chunk checksum left as it was. A 1-process read uses rank 0's copy only, so it loads the
+    original values; deep verify names the chunk; shallow verify reads no tensor bytes."""
+    from tests.fuzz_mutants import Mutant
+    from tests.fuzz_oracle import classify
+
+    m = Mutant(2018, "fsdp.f2", "forged.data", "rank-00001.safetensors: bytes 3728-8720 of 'rng/numpy/key' changed",
+               (), changed=True, forged=True, invalid=True, verify_bad=True)
+    problems = [] if verify_deep_ok else ["rank-00001.safetensors: checksum mismatch in bytes 3728-8720"]
+    calls = {"verify_deep": {"ok": True, "verified": verify_deep_ok, "problems": problems},
+             "verify_shallow": {"ok": True, "verified": True, "problems": []},
+             "read": {"ok": True, "diff": read_diff}, "load": {"ok": True, "diff": None},
+             "restore": {"ok": True, "step": 2, "diff": None}, "list": {"ok": True, "steps": [1, 2]},
+             "cli": {"ok": True, "cli": {}}}
+    return classify(m, calls, {}, 0.0)
+
+
+def test_damage_to_a_per_rank_copy_a_1_process_read_never_reads_is_benign_when_deep_verify_refuses():
+    """Oracle rule (the harness's false positive in that run): a forged inconsistency confined
+    to what a 1-process read does not use is BENIGN when verify refuses it; for damaged chunk
+    bytes, only deep verify reads them, so shallow verify passing is no SILENT."""
+    r = _forged_rank1_copy(verify_deep_ok=False, read_diff=None)
+    assert r["bad"] == {} and r["outcome"] == "BENIGN", r
+    r = _forged_rank1_copy(verify_deep_ok=True, read_diff=None)  # deep verify must refuse it
+    assert "SILENT" in r["bad"], r
+    r = _forged_rank1_copy(verify_deep_ok=False, read_diff="t[0]: 1.0 != 2.0")  # values must be equal
+    assert "SILENT" in r["bad"], r
