@@ -106,17 +106,19 @@ def test_per_rank_sigterm_handler_of_trainer_is_refused(tmp_path) -> None:
         _trainer(str(tmp_path), enable_jit_checkpoint=True)
 
 
-def test_deepspeed_under_trainer_is_refused(tmp_path, monkeypatch) -> None:
+def test_deepspeed_under_trainer_with_save_only_model_is_refused(tmp_path, monkeypatch) -> None:
+    # DeepSpeed under Trainer is supported (test_hf_trainer_deepspeed.py); save_only_model is
+    # not: the model is inside the engine's checkpoint with the optimizer.
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     # TrainingArguments sets ACCELERATE_USE_DEEPSPEED=true in os.environ; setenv (unlike a
     # delenv of an absent variable) makes monkeypatch remove it again after the test, so it
-    # cannot leak into the torchrun jobs of later tests (they refused "DeepSpeed is enabled").
+    # cannot leak into the torchrun jobs of later tests.
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 1}}
-    with pytest.raises(safeckpt.CheckpointError, match="DeepSpeed is enabled"):
-        _trainer(str(tmp_path), deepspeed=ds)
+    with pytest.raises(safeckpt.CheckpointError, match="save_only_model=True with DeepSpeed"):
+        _trainer(str(tmp_path), deepspeed=ds, save_only_model=True)
 
 
 # ----------------------------------------------------------------------------- Accelerate

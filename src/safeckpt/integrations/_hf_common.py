@@ -3,7 +3,7 @@
 What lives here: unwrapping Accelerate's optimizer/scheduler wrappers, RNG state that is loaded
 with the rest of a checkpoint but applied later, sampler state as JSON, checking that user
 objects hold only tensors and JSON values, loading a subset of a checkpoint's entries without
-skipping anything silently, the one place DeepSpeed is refused, and exporting a (possibly
+skipping anything silently, the one place DeepSpeed is refused (Accelerate), and exporting a (possibly
 FSDP2-sharded) model as ``from_pretrained``-loadable safetensors without gathering it.
 
 Nothing here imports transformers or accelerate at module level; callers already have them.
@@ -111,17 +111,16 @@ def refuse_fsdp1(model: Any, where: str) -> None:
 
 
 def refuse_deepspeed(where: str) -> NoReturn:
-    """The one place DeepSpeed under Trainer/Accelerate is turned away.
-
-    Hook: once the DeepSpeed integration can save an engine created by Trainer/Accelerate
-    (``safeckpt.integrations.deepspeed.install_on_initialize``), route there instead of raising.
-    """
+    """The one place DeepSpeed under Accelerate is turned away (Trainer supports it: its
+    engine's checkpoint is committed with the rest, see ``_hf_deepspeed``; Accelerate's
+    ``save_state`` could do the same through ``CheckpointManager.save(write_files=...)``)."""
     raise CheckpointError(
-        f"{where}: DeepSpeed is enabled, and the safeckpt Trainer/Accelerate integration does "
-        "not checkpoint DeepSpeed engines (their optimizer state lives inside the engine). "
-        "Either use the plain Trainer/Accelerator and call "
+        f"{where}: DeepSpeed is enabled, and the safeckpt Accelerate integration does not "
+        "checkpoint DeepSpeed engines (their optimizer state lives inside the engine). Either "
+        "use the plain Accelerator and call "
         "safeckpt.integrations.deepspeed.install_on_initialize() before training (the engine's "
-        "own checkpoints then go through safeckpt), or train with DDP or FSDP2."
+        "own checkpoints then go through safeckpt), use with_safeckpt(Trainer) (which commits "
+        "the engine's checkpoint atomically), or train with DDP or FSDP2."
     )
 
 
@@ -241,11 +240,13 @@ def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float |
     return info
 
 
-def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None, where: str) -> dict[str, Any]:
+def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None, where: str,
+                      optional: Sequence[str] = ()) -> dict[str, Any]:
     """The JSON entries ``names`` of the checkpoint at ``path``, from its manifest alone (no
     tensor file is opened): rank 0 reads it, every rank gets the same trees (one exchange).
     Raises on every rank: CheckpointNotFound or CorruptCheckpoint (the checkpoint's fault),
-    IncompatibleCheckpoint (an entry missing, or holding tensors)."""
+    IncompatibleCheckpoint (an entry missing, or holding tensors). ``optional`` entries are
+    read when the checkpoint has them."""
     from .._reader import open_manifest
     from ..coord.dist import Coordinator
     from ..format.tree import decode, tensor_keys
@@ -256,7 +257,7 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
     def read(_: Any) -> dict[str, Any]:
         objects = open_manifest(ckpt, storage_for(ckpt, timeout=timeout), full=False)["objects"]
         out = {}
-        for name in names:
+        for name in [*names, *(n for n in optional if n in objects)]:
             if name not in objects:
                 raise IncompatibleCheckpoint(f"{where}: checkpoint {path} holds no {name!r} entry "
                                              f"(entries: {sorted(objects)[:20]})")

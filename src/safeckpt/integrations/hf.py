@@ -22,6 +22,10 @@ SFTTrainer still runs its own ``_save_checkpoint`` additions, and the outermost
 files of the committed ``checkpoint-N``, where the subclass finds them on resume. The mixin replaces Trainer's checkpoint writing
 and reading (``_save_checkpoint``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
 ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``); everything else is Trainer's.
+
+With a DeepSpeed config the engine's own checkpoint is written by every rank inside the commit
+and loaded by DeepSpeed from the committed checkpoint (``_hf_deepspeed``), so ``checkpoint-N``
+is still one atomic commit.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from ..errors import (
     SafeckptWarning,
 )
 from . import _hf_common as common
+from . import _hf_deepspeed as ds
 
 T = TypeVar("T", bound=type)
 
@@ -180,8 +185,11 @@ class SafeckptTrainerMixin(Trainer):
     # ------------------------------------------------------------------ setup
     def _safeckpt_check_supported(self) -> None:
         where = type(self).__name__
-        if getattr(self, "is_deepspeed_enabled", False):
-            common.refuse_deepspeed(where)
+        if ds.enabled(self) and self.args.save_only_model:
+            raise CheckpointError(
+                f"{where}: save_only_model=True with DeepSpeed: the model lives inside the "
+                "engine's checkpoint with the optimizer, so safeckpt saves them together. Drop "
+                "save_only_model, or export weights with trainer.save_model().")
         if getattr(self.args, "enable_jit_checkpoint", False):
             raise CheckpointError(
                 f"{where}: enable_jit_checkpoint installs a per-rank SIGTERM handler, so ranks can "
@@ -245,6 +253,11 @@ class SafeckptTrainerMixin(Trainer):
                     os.unlink(link)
 
         common.share_from_rank0(drop)
+
+    def _safeckpt_peft(self) -> bool:
+        from transformers.trainer import _is_peft_model
+
+        return bool(_is_peft_model(self.model))
 
     def _safeckpt_metric(self) -> str | None:
         m = self.args.metric_for_best_model
@@ -325,9 +338,14 @@ class SafeckptTrainerMixin(Trainer):
         """Read TrainerState and side files of the checkpoint at ``path`` from its manifest (no
         tensor is read: the one load comes later, in _load_optimizer_and_scheduler) and write
         them to a private directory that Trainer.train() reads as usual."""
+        engine = None
         try:
-            head = common.read_json_entries(path, ("trainer_state", "side_files", "safeckpt"),
-                                            timeout=self.safeckpt_timeout, where="resume")
+            if ds.enabled(self):
+                engine = ds.check_and_read(path, timeout=self.safeckpt_timeout)
+                head = engine.head
+            else:
+                head = common.read_json_entries(path, ("trainer_state", "side_files", "safeckpt"),
+                                                timeout=self.safeckpt_timeout, where="resume")
         except (CorruptCheckpoint, CheckpointNotFound) as exc:
             if fallback:
                 raise _Damaged(str(exc)) from exc
@@ -357,7 +375,10 @@ class SafeckptTrainerMixin(Trainer):
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
         TrainerState(**head["trainer_state"]).save_to_json(os.path.join(tmp, STATE_FILE))
-        self._safeckpt_resume = {"dir": tmp, "path": path, "step": step, "fallback": fallback}
+        # Under DeepSpeed everything was checked above, before Trainer's loop: Trainer cannot
+        # run its loop a second time with a DeepSpeed engine, so no fallback from inside it.
+        self._safeckpt_resume = {"dir": tmp, "path": path, "step": step, "engine": engine,
+                                 "fallback": fallback and engine is None}
         return tmp
 
     def _safeckpt_ours(self, checkpoint: str | None) -> bool:
@@ -375,10 +396,27 @@ class SafeckptTrainerMixin(Trainer):
         # The model is loaded with the optimizer, in one collective load, after prepare().
         self._safeckpt_ours(resume_from_checkpoint)
 
+    def _prepare_for_training(self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        if not (ds.enabled(self) and resume_from_checkpoint is not None):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # Trainer would point DeepSpeed at its resume directory (ours holds Trainer's files only):
+        # prepare without it, then load the engine from the committed checkpoint (after checking it).
+        out = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        self._load_scaler(resume_from_checkpoint)
+        return out
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if not self._safeckpt_ours(checkpoint):
             return
         path = self._safeckpt_resume["path"]
+        engine = self._safeckpt_resume["engine"]
+        if engine is not None:  # checked and read before Trainer's loop; DeepSpeed loads its files
+            ds.load_engine(self.model_wrapped, path, strict=not self._safeckpt_peft())
+            engine.apply(self.lr_scheduler, path)
+            self._safeckpt_rng, self._safeckpt_sampler = engine.rng, engine.sampler
+            self._safeckpt_mark_restored()
+            return
         state = self._safeckpt_state(loading=True)
         try:
             if common.overrides_load_state_dict(state["model"]):
@@ -402,6 +440,9 @@ class SafeckptTrainerMixin(Trainer):
                 raise _Damaged(str(exc)) from exc
             raise
         self._safeckpt_sampler = state["sampler"]["seedable"]
+        self._safeckpt_mark_restored()
+
+    def _safeckpt_mark_restored(self) -> None:
         if self._safeckpt_resume["step"] is not None and self._safeckpt_mgr is not None:
             self._safeckpt_mgr.mark_restored(self._safeckpt_resume["step"])  # retention keeps it
 
@@ -414,6 +455,10 @@ class SafeckptTrainerMixin(Trainer):
 
     def _load_best_model(self) -> None:
         path = os.path.realpath(self.state.best_model_checkpoint)
+        if ds.enabled(self):  # as Trainer: the engine's checkpoint, through DeepSpeed
+            ds.check_and_read(path, timeout=self.safeckpt_timeout)
+            ds.load_engine(self.model_wrapped, path, strict=not self._safeckpt_peft())
+            return
         model = self._safeckpt_model()
         if common.overrides_load_state_dict(model):  # Trainer calls the model's own
             where = "load_best_model_at_end"
@@ -432,13 +477,16 @@ class SafeckptTrainerMixin(Trainer):
 
     def _safeckpt_state(self, loading: bool = False) -> dict[str, Any]:
         """What one checkpoint holds; the same layout for saving and loading."""
-        state: dict[str, Any] = {"model": self._safeckpt_model()}
+        engine = ds.enabled(self)  # model, optimizer and scaler are the engine's to save
+        state: dict[str, Any] = {} if engine else {"model": self._safeckpt_model()}
         save_all = not self.args.save_only_model or loading
         if save_all:
-            state["optimizer"] = common.inner_optimizer(self.optimizer)
-            state["scheduler"] = common.inner_scheduler(self.lr_scheduler)
+            if not engine:
+                state["optimizer"] = common.inner_optimizer(self.optimizer)
+            if not engine or type(self.lr_scheduler).__name__ != "DeepSpeedSchedulerWrapper":
+                state["scheduler"] = common.inner_scheduler(self.lr_scheduler)  # Trainer's own
             scaler = getattr(self.accelerator, "scaler", None)
-            if scaler is not None:
+            if scaler is not None and not engine:
                 state["scaler"] = scaler
             if loading:
                 self._safeckpt_rng = common.DeferredRNG()
@@ -549,7 +597,8 @@ class SafeckptTrainerMixin(Trainer):
         extra[STATE_FILE] = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
                              + "\n").encode("utf-8")
         mgr = self._safeckpt_manager()
-        info = mgr.save(step, state, metrics=metrics, extra_files=extra)
+        hook = ds.engine_files(self.model_wrapped, exclude_frozen=self._safeckpt_peft()) if ds.enabled(self) else None
+        info = mgr.save(step, state, metrics=metrics, extra_files=extra, write_files=hook)
         if info is not None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
 
