@@ -11,7 +11,7 @@ spent in the code that finds and reads the checkpoint (Trainer's ``get_last_chec
 Trainer's loop; ``restore_cpu``: the CPU time of that process in it, all threads, which a busy
 machine inflates less than wall time), and ``to_begin``, from ``train()`` to the first ``on_train_begin`` (adds the
 model wrapping and data loader setup both variants share, so it is noisier). Variants alternate
-within each repetition; the page cache is warm for both (the checkpoint was just written).
+within each repetition; before each resume the checkpoint files are read into the page cache (``--cache warm``, default), dropped from it (``cold``) or left as each save left them (``as-saved``: safeckpt drops what it writes, torch.save does not).
 ``--profile DIR`` writes a pyinstrument profile of safeckpt's resume per rank.
 """
 
@@ -85,7 +85,23 @@ def timed(owner: Any, name: str) -> None:
         setattr(owner, name, wrapper)
 
 
-def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None) -> dict[str, float]:
+def _set_cache(root: str, *, warm: bool) -> None:
+    """Every file of the checkpoints under ``root`` read into the page cache (warm) or dropped
+    from it (cold): safeckpt's writer drops what it wrote (so a save does not evict the job's
+    cached data) while torch.save leaves it cached, so "as saved" favours stock."""
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb", buffering=0) as f:
+                if warm:
+                    while f.read(8 << 20):
+                        pass
+                else:
+                    os.fsync(f.fileno())
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None,
+           cache: str = "warm") -> dict[str, float]:
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
     from transformers import TrainerCallback, TrainingArguments
@@ -113,6 +129,9 @@ def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None) -
         return Timed(model=_model(layers, hidden), args=args, train_dataset=_Data(8), callbacks=[Mark()])
 
     trainer(1).train()
+    dist.barrier()
+    if cache != "as-saved" and dist.get_rank() == 0:
+        _set_cache(out, warm=cache == "warm")
     dist.barrier()
     t2 = trainer(2)
     import transformers.trainer as hf_trainer
@@ -148,7 +167,7 @@ def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None) -
 
 
 def _worker(rank: int, world: int, port: int, reps: int, layers: int, hidden: int,
-            profile: str | None, base: str, q: Any) -> None:
+            profile: str | None, base: str, q: Any, cache: str) -> None:
     os.environ.update(ENV)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -165,7 +184,8 @@ def _worker(rank: int, world: int, port: int, reps: int, layers: int, hidden: in
     for rep in range(reps):
         for name, cls in variants.items():
             out = os.path.join(base, f"{name}-{rep}")
-            r = _trial(cls, out, layers, hidden, profile if name == "safeckpt" and rep == reps - 1 else None)
+            r = _trial(cls, out, layers, hidden, profile if name == "safeckpt" and rep == reps - 1 else None,
+                       cache)
             t = torch.tensor([r["save"], r["restore"], r["to_begin"], r["restore_cpu"]], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rank == 0:
@@ -189,6 +209,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--profile", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--cache", choices=("warm", "cold", "as-saved"), default="warm",
+                   help="page cache before the resume: every checkpoint file read (warm), dropped "
+                        "(cold), or as each save left it (safeckpt drops what it writes)")
     a = p.parse_args()
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
@@ -198,7 +221,7 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="bench-hf-resume-", dir=os.environ.get("BENCH_DIR"))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, a.reps, a.layers, a.hidden, a.profile, base, q))
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, a.reps, a.layers, a.hidden, a.profile, base, q, a.cache))
              for r in range(2)]
     for pr in procs:
         pr.start()
