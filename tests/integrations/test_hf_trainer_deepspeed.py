@@ -42,11 +42,17 @@ def _lock_cleanup() -> None:
         os.remove(lock)
 
 
-def _job(rank: int, world: int, out: str, stage: int, resume: bool, kill_at: int | None) -> dict:
+def _job(rank: int, world: int, out: str, stage: int, resume: bool, kill_at: int | None,
+         install: bool = False, steps: int = STEPS) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
 
     from safeckpt.integrations.hf import with_safeckpt
+
+    if install:  # the engine's own files pickle-free (safeckpt's DeepSpeed checkpoint engine)
+        from safeckpt.integrations.deepspeed import install_on_initialize
+
+        install_on_initialize()
 
     if kill_at is not None and rank == 1:
         real = torch.save
@@ -63,7 +69,7 @@ def _job(rank: int, world: int, out: str, stage: int, resume: bool, kill_at: int
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False}
     args = TrainingArguments(
-        output_dir=out, max_steps=STEPS, per_device_train_batch_size=2, save_steps=2,
+        output_dir=out, max_steps=steps, per_device_train_batch_size=2, save_steps=2,
         save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0, seed=3, deepspeed=ds, ddp_backend="gloo", learning_rate=3e-3,
         save_total_limit=None)
@@ -125,3 +131,25 @@ def test_kill_inside_a_save_then_resume_bit_exact(tmp_path, stage) -> None:
     for s in range(resume_from + 1, STEPS + 1):  # bit for bit: floats compared exactly
         assert resumed[s] == reference[s], (s, resumed[s], reference[s])
     shutil.rmtree(full, ignore_errors=True)
+
+
+def test_pickle_free_engine_files_with_install_on_initialize(tmp_path) -> None:
+    """With safeckpt's DeepSpeed checkpoint engine installed, the engine's files inside the
+    commit are safeckpt's own (a nested atomic tag); resuming from checkpoint-4 of a 6-step run
+    (a copy without checkpoint-6) gives its steps 5 and 6 bit for bit."""
+    _lock_cleanup()
+    full, run = str(tmp_path / "full"), str(tmp_path / "run")
+    out = dist_harness.run(_job, 2, full, 2, False, None, True, 6, timeout=400, env=ENV, pg_timeout=120)
+    assert all(o.ok for o in out), [o.message for o in out]
+    reference = {s: (loss, g) for s, loss, g in out[0].value["history"]}
+    shutil.copytree(full, run)  # resume from its checkpoint-4 (same schedule as the full run)
+    shutil.rmtree(os.path.join(run, "checkpoint-6"))
+    with open(os.path.join(run, "checkpoint-4", "manifest.json")) as f:
+        written = json.load(f)["written"]
+    assert "global_step4/mp_rank_00_model_states.pt/manifest.json" in written  # not a pickle
+    assert not any(n.endswith(".pt") for n in written)
+    out = dist_harness.run(_job, 2, run, 2, True, None, True, 6, timeout=400, env=ENV, pg_timeout=120)
+    assert all(o.ok for o in out), [o.message for o in out]
+    resumed = {s: (loss, g) for s, loss, g in out[0].value["history"]}
+    for s in (5, 6):
+        assert resumed[s] == reference[s], (s, resumed[s], reference[s])
