@@ -110,7 +110,7 @@ from .format.shardfile import MappedFile
 from .format.tree import decode
 from .storage import commit as _commit
 from .storage.base import Storage, is_remote, join, resolve, storage_for
-from .storage.catalog import parse_step, step_dirname
+from .storage.catalog import parse_step
 
 __all__ = ["StorageReader", "StorageWriter", "manager_writer", "translate_errors"]
 
@@ -347,13 +347,15 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
 
 class _ManagedWriter(StorageWriter):
     """A :class:`StorageWriter` saving one step under a :class:`~safeckpt.CheckpointManager`
-    root (see :func:`manager_writer`)."""
+    root (see :func:`manager_writer`), through the manager's public
+    :meth:`~safeckpt.CheckpointManager.external_save`: entered by the coordinator when DCP's
+    global plan is made (lease, sweep), left when the commit is done (retention)."""
 
     def __init__(self, mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = None) -> None:
-        super().__init__(join(mgr.root, step_dirname(step)), metadata=metadata, step=step,
-                         storage_options=mgr._options, timeout=mgr.timeout)
-        self._store = mgr._store
+        super().__init__(join(mgr.root, mgr.dirname.format(step)), metadata=metadata, step=step,
+                         storage_options=mgr.storage_options, timeout=mgr.timeout)
         self._mgr = mgr
+        self._external: Any = None
 
     def __getstate__(self) -> Any:
         raise CheckpointError(
@@ -370,17 +372,14 @@ class _ManagedWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         _check_same_path([p.storage_data for p in plans], "dcp.save")  # same step everywhere first
-        self._mgr._begin(True)  # the manager's writer lease, and leftovers of crashed saves swept
+        # the manager's writer lease, and leftovers of crashed saves swept
+        self._external = self._mgr.external_save(self.step, coordinator=True)
+        self._external.__enter__()
         return super().prepare_global_plan(plans)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
-        try:
-            self._mgr._retain(True, self.step)
-        except Exception as exc:
-            raise CheckpointError(
-                f"the checkpoint {self.path} is committed; only retention failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+        self._external.__exit__(None, None, None)  # committed: retention
 
 
 def manager_writer(mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = None) -> StorageWriter:
@@ -398,7 +397,6 @@ def manager_writer(mgr: Any, step: int, *, metadata: Mapping[str, Any] | None = 
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    mgr._check_open()
     mgr.wait()  # the manager's own background save, if any, commits (or raises) first
     return _ManagedWriter(mgr, step, metadata=metadata)
 

@@ -10,11 +10,12 @@ leftovers to sweep) is taken on the coordinator and shared, never by each rank o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 from . import _frozen
@@ -34,7 +35,7 @@ from .errors import (
     RankMismatch,
     SafeckptWarning,
 )
-from .format.manifest import CheckpointInfo
+from .format.manifest import MANIFEST, CheckpointInfo
 from .retention import RetentionPolicy
 from .storage.base import join, resolve, storage_for
 from .storage.catalog import (
@@ -334,6 +335,48 @@ class CheckpointManager:
         self.wait()
         coord = self._coord(what=f"retention under {self.root}")
         return coord.decide("retain", lambda: None, lambda _: self._retain(True))
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """The storage options this manager was made with (a copy), for another writer."""
+        return dict(self._options) if self._options is not None else None
+
+    @contextlib.contextmanager
+    def external_save(self, step: int, *, coordinator: bool) -> Iterator[str]:
+        """Save ``step`` under this root with another writer that commits atomically itself
+        (:func:`safeckpt.dcp.manager_writer` uses it for ``dcp.save``)::
+
+            with mgr.external_save(step, coordinator=rank == 0) as path:
+                my_writer.save(state, path)   # commits path (manifest.json) before returning
+
+        Yields the step's path (``root`` / the manager's dirname) on every rank. Not collective:
+        the writer's own protocol runs the ranks together; only the coordinator
+        (``coordinator=True``, one rank) acts. On enter it waits for the manager's background
+        save, takes the writer lease (kept until :meth:`close`, as :meth:`save` does) and sweeps
+        leftovers of crashed saves. On a clean exit the step must be committed at the path
+        (else :class:`CheckpointNotFound`, nothing deleted); then retention runs (never this
+        step nor the restored one), and a failure of retention alone raises
+        :class:`CheckpointError` saying the checkpoint is committed. On an exception nothing
+        more is done: leftovers wait for the next save's sweep or ``safeckpt gc``.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.wait()
+        path = join(self.root, self.dirname.format(step))
+        self._begin(bool(coordinator))
+        yield path
+        if not coordinator:
+            return
+        if self._store.size(self._store.join(path, MANIFEST)) is None:
+            raise CheckpointNotFound(
+                f"external_save({step}): the writer returned but nothing is committed at {path} "
+                "(no manifest.json); retention did not run", path=path)
+        try:
+            self._retain(True, step)
+        except Exception as exc:
+            raise CheckpointError(f"the checkpoint {path} is committed; only retention failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the pending background save is committed; raise its error if it failed."""
