@@ -15,6 +15,7 @@ docs/how-to/deepspeed.md.
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import re
@@ -73,6 +74,9 @@ def test_deepspeeds_own_checkpoint_tests_pass_or_are_documented_refusals(tmp_pat
             pytest.fail(f"DeepSpeed's tests at {run.COMMIT} could not be had (set SAFECKPT_DEEPSPEED_GIT)")
         pytest.skip("DeepSpeed's tests are not on PyPI and its git history is not reachable: set SAFECKPT_DEEPSPEED_GIT")
     ours = _run(gitdir, tmp_path, "injected", SELECTION)
+    # safeckpt really saved those engines' checkpoints (DeepSpeed's tests save under --basetemp)
+    saved = glob.glob(str(tmp_path / "injected.xml.tmp" / "**" / "safeckpt-deepspeed.json"), recursive=True)
+    assert len(saved) >= 4, f"safeckpt was not installed into DeepSpeed's engines: {saved}"
     # Judged as if every selected test passed stock; a test failing otherwise is run stock too.
     unexplained, hits = run.judge({n: ("passed", "") for n in ours}, ours)
     failing_stock: list[str] = []
