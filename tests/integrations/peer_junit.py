@@ -1,6 +1,6 @@
 """Outcomes of a peer project's own tests run under pytest with ``--junitxml``: shared by the
 optional-integration tests that run another project's test suite against safeckpt
-(``peer_deepspeed/run.py``; Lightning's and Accelerate's peer tests hold copies of it)."""
+(``peer_deepspeed/run.py``, ``test_lightning_peer.py``, ``test_hf_accelerate_peer.py``)."""
 
 from __future__ import annotations
 

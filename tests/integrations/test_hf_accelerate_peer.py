@@ -21,9 +21,10 @@ import signal
 import subprocess
 import sys
 import tarfile
-import xml.etree.ElementTree as ET
 
 import pytest
+
+from tests.integrations.peer_junit import outcomes as _outcomes
 
 accelerate = pytest.importorskip("accelerate")
 pytest.importorskip("parameterized")
@@ -70,19 +71,6 @@ def _extract(sdist: str, dest: str) -> None:
     assert not missing, f"{sdist} lacks {missing}"
 
 
-def _outcomes(junit: str) -> dict[str, tuple[str, str]]:
-    out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        status, text = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                status = "skipped" if tag == "skipped" else "failed"
-                text = (node.get("message") or "") + "\n" + (node.text or "")
-                break
-        out[name] = (status, text)
-    return out
 
 
 def _base(name: str) -> str:

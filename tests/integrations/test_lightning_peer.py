@@ -21,9 +21,10 @@ import os
 import re
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 
 import pytest
+
+from tests.integrations.peer_junit import outcomes as _outcomes
 
 pytest.importorskip("lightning")
 pytest.importorskip("cloudpickle")  # Lightning's test_restore imports it
@@ -116,21 +117,6 @@ def _run(tests_dir: str, junit: str, inject: bool, counts: str) -> subprocess.Co
                     f"{(exc.stdout or '')[-3000:] if isinstance(exc.stdout, str) else ''}")
 
 
-def _outcomes(junit: str) -> dict[str, tuple[str, str]]:
-    out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        status, text = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                status = "skipped" if tag == "skipped" else "failed"
-                text = f"{node.get('message') or ''}\n{node.text or ''}"
-                if status == "failed":
-                    break
-        if out.get(name, ("passed",))[0] != "failed":  # a teardown error counts against the test
-            out[name] = (status, text)
-    return out
 
 
 @pytest.mark.timeout(2 * HARD_TIMEOUT + 300)
