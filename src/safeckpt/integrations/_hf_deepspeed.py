@@ -1,4 +1,5 @@
-"""A DeepSpeed engine's own checkpoint inside one safeckpt commit (Trainer with a DeepSpeed config).
+"""A DeepSpeed engine's own checkpoint inside one safeckpt commit (Trainer or Accelerate with a
+DeepSpeed config; Accelerate uses the save hook and the check, under its tag ``pytorch_model``).
 
 Under DeepSpeed the model, the optimizer (ZeRO partitions, one per rank) and DeepSpeed's LR
 scheduler live inside the engine, and only the engine can save and load them. So a Trainer
@@ -24,6 +25,7 @@ ran before the Trainer was created.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,22 +39,51 @@ def enabled(trainer: Any) -> bool:
 
 
 def engine_files(engine: Any, *, exclude_frozen: bool) -> WriteFiles:
-    """The save hook: DeepSpeed writes its checkpoint into the staging directory (collective;
+    """The save hook of one engine under DeepSpeed's own tag (``global_stepN``), as Trainer saves it."""
+    return engines_files([(engine, None)], exclude_frozen=exclude_frozen)
+
+
+def engines_files(engines: Sequence[tuple[Any, str | None]], *, exclude_frozen: bool = False,
+                  **save_kwargs: Any) -> WriteFiles:
+    """The save hook: DeepSpeed writes each engine's checkpoint under its tag (None: DeepSpeed's
+    ``global_stepN``; Accelerate's ``pytorch_model``) into the staging directory (collective;
     DeepSpeed's save ends in a barrier, so every rank then sees every file) and each rank
     reports every world_size-th of the files, in a sorted listing all ranks share."""
 
     def write(staging: str) -> list[str]:
         import torch.distributed as dist
 
-        kw = {}
-        if exclude_frozen and "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters:
-            kw["exclude_frozen_parameters"] = True  # as Trainer does for PEFT models
-        engine.save_checkpoint(staging, **kw)
+        for engine, tag in engines:
+            kw = dict(save_kwargs)
+            if exclude_frozen and "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters:
+                kw["exclude_frozen_parameters"] = True  # as Trainer does for PEFT models
+            engine.save_checkpoint(staging, tag=tag, **kw)
         distributed = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         return tree_share(staging, rank, world)
 
     return write
+
+
+def check_engine(path: str, *, tags: Sequence[str] = (), timeout: float | None) -> None:
+    """Collective, before DeepSpeed reads the engine's files of the committed checkpoint at
+    ``path``: it holds an engine checkpoint (each tag of ``tags``, or DeepSpeed's
+    ``global_stepN``) and every listed file verifies (each rank hashes its share).
+    CorruptCheckpoint on every rank otherwise (a resume then falls back);
+    IncompatibleCheckpoint if an engine checkpoint is missing."""
+    from .._reader import open_manifest
+    from ..storage.base import resolve, storage_for
+
+    ckpt = resolve(path)
+    written = open_manifest(ckpt, storage_for(ckpt), full=False).get("written", {})
+    missing = [p for p in ([f"{t}/" for t in tags] or ["global_step"])
+               if not any(name.startswith(p) for name in written)]
+    if missing:
+        what = f"no DeepSpeed engine checkpoint {missing[0].rstrip('/')!r}" if tags else "no DeepSpeed engine checkpoint"
+        raise IncompatibleCheckpoint(
+            f"{path} holds {what} (it was saved without DeepSpeed, or with fewer models); a "
+            "DeepSpeed run resumes only from checkpoints saved with DeepSpeed")
+    verify_files(ckpt, timeout=timeout)
 
 
 @dataclass
@@ -84,18 +115,12 @@ def check_and_read(path: str, *, timeout: float | None) -> Resume:
     hashes its share), Trainer's entries are read from the manifest, and every rank's RNG by
     one verified load. CorruptCheckpoint on every rank otherwise (the resume then falls back);
     IncompatibleCheckpoint if the checkpoint holds no engine checkpoint."""
-    from .._reader import open_manifest
-    from ..storage.base import resolve, storage_for
+    from ..storage.base import resolve
 
     ckpt = resolve(path)
     head = read_json_entries(ckpt, ("trainer_state", "side_files", "safeckpt", "sampler"),
                              optional=("scheduler",), timeout=timeout, where="resume")
-    written = open_manifest(ckpt, storage_for(ckpt), full=False).get("written", {})
-    if not any(name.startswith("global_step") for name in written):
-        raise IncompatibleCheckpoint(
-            f"{path} holds no DeepSpeed engine checkpoint (it was saved without DeepSpeed); a "
-            "DeepSpeed run resumes only from checkpoints saved with DeepSpeed")
-    verify_files(ckpt, timeout=timeout)
+    check_engine(ckpt, timeout=timeout)
     rng = DeferredRNG()
     load_entries(ckpt, {"rng": rng}, timeout=timeout, where="resume")
     return Resume(head, rng, head["sampler"]["seedable"], head.get("scheduler"))

@@ -21,42 +21,76 @@ dataloader's seedable-sampler state (and a stateful dataloader's position, per r
 (Accelerate's names; N = the save iteration), ``total_limit`` is applied only after the new one is committed, and
 ``load_state()`` takes the newest one that verifies and restores the iteration, so the next
 save gets the next number. Nothing is pickled.
+
+With a DeepSpeed config the engines hold the models, optimizers and DeepSpeed's LR schedulers,
+and only they can save them: inside the commit's write phase every rank runs
+``engine.save_checkpoint(<staging>, "pytorch_model")`` (Accelerate's tag and layout), the
+manifest lists the engine's files and the one rename publishes them with the rest, so a rank
+killed inside a save leaves no ``checkpoint_N``. ``load_state`` checks the engine's files (each
+rank hashes its share; a damaged checkpoint is passed over for the next older one) before
+DeepSpeed's own ``load_checkpoint`` reads them (see ``_hf_deepspeed``).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .. import CheckpointManager, PerRank, RNGState
-from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound, IncompatibleCheckpoint
+from .._extra import WriteFiles
+from ..errors import (
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    SafeckptWarning,
+)
 from . import _hf_common as common
+from . import _hf_deepspeed as ds
 
 FORMAT = "safeckpt.accelerate/1"
 
 
 def _check(acc: Accelerator, where: str) -> None:
-    if acc.distributed_type == DistributedType.DEEPSPEED:
-        common.refuse_deepspeed(where)
     if acc.distributed_type == DistributedType.MEGATRON_LM:
         raise CheckpointError(f"{where}: Megatron-LM engines are not supported by safeckpt")
 
 
+def _deepspeed(acc: Accelerator) -> bool:
+    return acc.distributed_type == DistributedType.DEEPSPEED
+
+
+def _engines(acc: Accelerator) -> list[tuple[Any, str]]:
+    """Under DeepSpeed: each prepared model's engine and its tag, as Accelerate saves them."""
+    from accelerate.utils import MODEL_NAME
+
+    if not _deepspeed(acc):
+        return []
+    return [(engine, MODEL_NAME if i == 0 else f"{MODEL_NAME}_{i}") for i, engine in enumerate(acc._models)]
+
+
 def accelerator_state(acc: Accelerator, *, loading: bool = False) -> dict[str, Any]:
-    """The safeckpt state dict of everything ``acc`` checkpoints (same layout to save and load)."""
+    """The safeckpt state dict of everything ``acc`` checkpoints (same layout to save and load).
+    Under DeepSpeed the models, optimizers, DeepSpeed's schedulers and the loss scaling are the
+    engines' to save (``_engines``): they are not in it."""
     where = "load_state" if loading else "save_state"
     _check(acc, where)
+    engine = _deepspeed(acc)
     state: dict[str, Any] = {}
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate([] if engine else acc._models):
         common.refuse_fsdp1(model, where)
         state[f"model_{i}"] = model
-    for i, opt in enumerate(acc._optimizers):
+    for i, opt in enumerate([] if engine else acc._optimizers):
         state[f"optimizer_{i}"] = common.inner_optimizer(opt)
     for i, sched in enumerate(acc._schedulers):
+        if engine and type(sched).__name__ == "DeepSpeedSchedulerWrapper":
+            continue  # inside the engine's checkpoint
         state[f"scheduler_{i}"] = common.inner_scheduler(sched)
     for i, dl in enumerate(acc._dataloaders):
         state[f"dataloader_{i}"] = {"sampler": None if loading else common.sampler_state(dl)}
@@ -72,7 +106,7 @@ def accelerator_state(acc: Accelerator, *, loading: bool = False) -> dict[str, A
             common.check_plain(f"register_for_checkpointing object {i} ({type(obj).__name__})",
                                obj.state_dict())
         state[f"custom_{i}"] = obj
-    if acc.scaler is not None:
+    if acc.scaler is not None and not engine:
         state["scaler"] = acc.scaler
     state["rng"] = RNGState()
     state["accelerator"] = {"format": FORMAT, "step": int(acc.step),
@@ -105,7 +139,8 @@ def _save_hooks(acc: Accelerator) -> dict[str, bytes]:
         return {}
 
     def run() -> dict[str, bytes]:
-        weights = [m.state_dict() for m in acc._models]
+        # as Accelerate: no weights under DeepSpeed (the engines save the models)
+        weights = [] if _deepspeed(acc) else [m.state_dict() for m in acc._models]
         with tempfile.TemporaryDirectory(prefix="safeckpt-accelerate-hooks-") as tmp:
             for hook in hooks:
                 hook(acc._models, weights, tmp)
@@ -117,8 +152,9 @@ def _save_hooks(acc: Accelerator) -> dict[str, bytes]:
 
 def _load_hooks(acc: Accelerator, path: str) -> list[Any]:
     """Run ``register_load_state_pre_hook`` hooks with the checkpoint directory (which holds
-    the files the save hooks wrote); returns the models list they leave."""
-    models = list(acc._models)
+    the files the save hooks wrote); returns the models list they leave (as Accelerate: empty
+    under DeepSpeed, whose engines load the models)."""
+    models = [] if _deepspeed(acc) else list(acc._models)
     hooks = list(acc._load_model_state_pre_hook.values())
     if hooks:
         def run() -> None:
@@ -143,16 +179,36 @@ def _manager(acc: Accelerator, timeout: float | None) -> CheckpointManager:
     return mgr
 
 
+def _save_dir(path: str, state: dict[str, Any], extra: dict[str, bytes], hook: WriteFiles,
+              timeout: float | None) -> Any:
+    """``common.save_checkpoint`` with a ``write_files`` hook (a DeepSpeed engine's files); no
+    model is in ``state`` then, so there are no frozen parameters to fingerprint."""
+    from .._save import new_job, safe_extra_name
+    from ..coord.dist import Coordinator
+    from ..storage.base import resolve, storage_for
+
+    target = resolve(path)
+    coord = Coordinator(timeout, what=f"save to {target}")
+    job = new_job(coord, target, state, None, True, None, None, "auto",
+                  store=storage_for(target, None, timeout=coord.timeout))
+    job.extra_files = {safe_extra_name(k): bytes(v) for k, v in extra.items()}
+    job.write_files = hook
+    return job.run()
+
+
 def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
-               timeout: float | None = None) -> str:
+               timeout: float | None = None, save_kwargs: dict[str, Any] | None = None) -> str:
     """``acc.save_state`` through safeckpt (collective); returns the checkpoint's path.
 
     With ``automatic_checkpoint_naming`` the checkpoint is the save iteration's under
     ``project_dir/checkpoints`` (``output_dir`` is ignored, as Accelerate does) and
     ``total_limit`` retention runs after the commit; otherwise ``output_dir`` is written (an
-    existing safeckpt checkpoint there is replaced atomically).
+    existing safeckpt checkpoint there is replaced atomically). Under DeepSpeed every engine's
+    own checkpoint is written inside the commit (``save_kwargs`` go to its ``save_checkpoint``).
     """
     state = accelerator_state(acc)
+    engines = _engines(acc)
+    hook = ds.engines_files(engines, **(save_kwargs or {})) if engines else None
     extra = _save_hooks(acc)
     cfg = acc.project_configuration
     if cfg.automatic_checkpoint_naming:
@@ -164,27 +220,86 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
                 f"{path} (save iteration {step}) exists already: call load_state() first to "
                 "continue this project, or set project_configuration.iteration."
             )
-        info = mgr.save(step, state, extra_files=extra)
+        info = mgr.save(step, state, extra_files=extra, write_files=hook)
         path = info.path if info is not None else path
     else:
         if output_dir is None:
             raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
                                   "naming is disabled")
-        path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
-                                      extra_files=extra).path
+        if hook is not None:
+            path = _save_dir(os.fspath(output_dir), state, extra, hook, timeout).path
+        else:
+            path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
+                                          extra_files=extra).path
     cfg.iteration += 1
     return path
 
 
+def _load_with_engines(acc: Accelerator, input_dir: str | os.PathLike[str] | None,
+                       state: dict[str, Any], timeout: float | None, load_kwargs: dict[str, Any]) -> str:
+    """Under DeepSpeed: check the engines' files, load safeckpt's entries, then DeepSpeed's own
+    ``load_checkpoint`` of each engine from the committed checkpoint. Without ``input_dir`` the
+    newest checkpoint whose checks and load pass (a damaged one changes nothing and is passed
+    over for the next older one, on every rank together)."""
+    engines = _engines(acc)
+    tags = [tag for _, tag in engines]
+
+    def check_and_load(path: str) -> None:
+        ds.check_engine(path, tags=tags, timeout=timeout)
+        common.load_checkpoint(path, state, timeout=timeout)
+
+    if input_dir is None:
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            raise CheckpointError("load_state: no input_dir given and automatic checkpoint "
+                                  "naming is disabled")
+        mgr = _manager(acc, timeout)
+        candidates, reasons = mgr.resume_candidates()
+        if not candidates and not reasons:
+            raise CheckpointNotFound(f"no committed checkpoint under {_root(acc)}", path=_root(acc))
+        for step, path in candidates:
+            try:
+                check_and_load(path)
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                reasons.append(f"step {step}: {exc}")
+                warnings.warn(f"checkpoint {path} is corrupt, falling back to an older one: {exc}",
+                              SafeckptWarning, stacklevel=3)
+                continue
+            mgr.mark_restored(step)
+            break
+        else:
+            raise CorruptCheckpoint(
+                f"no checkpoint under {_root(acc)} could be loaded (refusing to start fresh when "
+                "history exists):\n  " + "\n  ".join(reasons), path=_root(acc))
+        _load_hooks(acc, path)
+    else:
+        path = os.path.abspath(os.fspath(input_dir))
+        _load_hooks(acc, path)
+        check_and_load(path)
+
+    def load_engines() -> None:
+        for engine, tag in engines:
+            loaded, _ = engine.load_checkpoint(path, tag, **load_kwargs)
+            if loaded is None:  # DeepSpeed only logs a warning
+                raise CheckpointError(f"load_state: DeepSpeed loaded nothing from {path} (tag {tag})")
+
+    common.agree_all(load_engines, "load_state's DeepSpeed load_checkpoint")
+    return path
+
+
 def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None, *,
-               timeout: float | None = None) -> str:
+               timeout: float | None = None, load_kwargs: dict[str, Any] | None = None) -> str:
     """``acc.load_state`` through safeckpt (collective); returns the checkpoint's path.
 
     Without ``input_dir`` (automatic naming), the newest checkpoint that verifies, chosen once
     for all ranks; the save iteration continues after it. A missing piece raises
-    IncompatibleCheckpoint before anything is changed.
+    IncompatibleCheckpoint before anything is changed. Under DeepSpeed ``load_kwargs`` go to
+    each engine's ``load_checkpoint``.
     """
     state = accelerator_state(acc, loading=True)
+    if _deepspeed(acc):
+        path = _load_with_engines(acc, input_dir, state, timeout, load_kwargs or {})
+        _apply(acc, state)
+        return path
     if input_dir is None:
         if not acc.project_configuration.automatic_checkpoint_naming:
             raise CheckpointError("load_state: no input_dir given and automatic checkpoint "
@@ -227,11 +342,11 @@ class SafeckptAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
-        return save_state(self, output_dir, timeout=self.safeckpt_timeout)
+        return save_state(self, output_dir, timeout=self.safeckpt_timeout, save_kwargs=save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
-        load_state(self, input_dir, timeout=self.safeckpt_timeout)
+        load_state(self, input_dir, timeout=self.safeckpt_timeout, load_kwargs=load_model_func_kwargs)
 
     @property
     def preempted(self) -> bool:
