@@ -197,18 +197,18 @@ def _save_dir(path: str, state: dict[str, Any], extra: dict[str, bytes], hook: W
 
 
 def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
-               timeout: float | None = None, save_kwargs: dict[str, Any] | None = None) -> str:
+               timeout: float | None = None, engine_kwargs: dict[str, Any] | None = None) -> str:
     """``acc.save_state`` through safeckpt (collective); returns the checkpoint's path.
 
     With ``automatic_checkpoint_naming`` the checkpoint is the save iteration's under
     ``project_dir/checkpoints`` (``output_dir`` is ignored, as Accelerate does) and
     ``total_limit`` retention runs after the commit; otherwise ``output_dir`` is written (an
     existing safeckpt checkpoint there is replaced atomically). Under DeepSpeed every engine's
-    own checkpoint is written inside the commit (``save_kwargs`` go to its ``save_checkpoint``).
+    own checkpoint is written inside the commit (``engine_kwargs`` go to its ``save_checkpoint``).
     """
     state = accelerator_state(acc)
     engines = _engines(acc)
-    hook = ds.engines_files(engines, **(save_kwargs or {})) if engines else None
+    hook = ds.engines_files(engines, **(engine_kwargs or {})) if engines else None
     extra = _save_hooks(acc)
     cfg = acc.project_configuration
     if cfg.automatic_checkpoint_naming:
@@ -236,7 +236,7 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
 
 
 def _load_with_engines(acc: Accelerator, input_dir: str | os.PathLike[str] | None,
-                       state: dict[str, Any], timeout: float | None, load_kwargs: dict[str, Any]) -> str:
+                       state: dict[str, Any], timeout: float | None, engine_kwargs: dict[str, Any]) -> str:
     """Under DeepSpeed: check the engines' files, load safeckpt's entries, then DeepSpeed's own
     ``load_checkpoint`` of each engine from the committed checkpoint. Without ``input_dir`` the
     newest checkpoint whose checks and load pass (a damaged one changes nothing and is passed
@@ -278,7 +278,7 @@ def _load_with_engines(acc: Accelerator, input_dir: str | os.PathLike[str] | Non
 
     def load_engines() -> None:
         for engine, tag in engines:
-            loaded, _ = engine.load_checkpoint(path, tag, **load_kwargs)
+            loaded, _ = engine.load_checkpoint(path, tag, **engine_kwargs)
             if loaded is None:  # DeepSpeed only logs a warning
                 raise CheckpointError(f"load_state: DeepSpeed loaded nothing from {path} (tag {tag})")
 
@@ -287,17 +287,17 @@ def _load_with_engines(acc: Accelerator, input_dir: str | os.PathLike[str] | Non
 
 
 def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None, *,
-               timeout: float | None = None, load_kwargs: dict[str, Any] | None = None) -> str:
+               timeout: float | None = None, engine_kwargs: dict[str, Any] | None = None) -> str:
     """``acc.load_state`` through safeckpt (collective); returns the checkpoint's path.
 
     Without ``input_dir`` (automatic naming), the newest checkpoint that verifies, chosen once
     for all ranks; the save iteration continues after it. A missing piece raises
-    IncompatibleCheckpoint before anything is changed. Under DeepSpeed ``load_kwargs`` go to
+    IncompatibleCheckpoint before anything is changed. Under DeepSpeed ``engine_kwargs`` go to
     each engine's ``load_checkpoint``.
     """
     state = accelerator_state(acc, loading=True)
     if _deepspeed(acc):
-        path = _load_with_engines(acc, input_dir, state, timeout, load_kwargs or {})
+        path = _load_with_engines(acc, input_dir, state, timeout, engine_kwargs or {})
         _apply(acc, state)
         return path
     if input_dir is None:
@@ -342,11 +342,11 @@ class SafeckptAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
-        return save_state(self, output_dir, timeout=self.safeckpt_timeout, save_kwargs=save_model_func_kwargs)
+        return save_state(self, output_dir, timeout=self.safeckpt_timeout, engine_kwargs=save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
-        load_state(self, input_dir, timeout=self.safeckpt_timeout, load_kwargs=load_model_func_kwargs)
+        load_state(self, input_dir, timeout=self.safeckpt_timeout, engine_kwargs=load_model_func_kwargs)
 
     @property
     def preempted(self) -> bool:
