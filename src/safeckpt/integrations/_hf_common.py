@@ -3,8 +3,8 @@
 What lives here: unwrapping Accelerate's optimizer/scheduler wrappers, RNG state that is loaded
 with the rest of a checkpoint but applied later, sampler state as JSON, checking that user
 objects hold only tensors and JSON values, loading a subset of a checkpoint's entries without
-skipping anything silently, the one place DeepSpeed is refused (Accelerate), and exporting a (possibly
-FSDP2-sharded) model as ``from_pretrained``-loadable safetensors without gathering it.
+skipping anything silently, and exporting a (possibly FSDP2-sharded) model as
+``from_pretrained``-loadable safetensors without gathering it.
 
 Nothing here imports transformers or accelerate at module level; callers already have them.
 """
@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -109,19 +109,6 @@ def refuse_fsdp1(model: Any, where: str) -> None:
             "whose DTensor shards safeckpt saves without gathering them."
         )
 
-
-def refuse_deepspeed(where: str) -> NoReturn:
-    """The one place DeepSpeed under Accelerate is turned away (Trainer supports it: its
-    engine's checkpoint is committed with the rest, see ``_hf_deepspeed``; Accelerate's
-    ``save_state`` could do the same through ``CheckpointManager.save(write_files=...)``)."""
-    raise CheckpointError(
-        f"{where}: DeepSpeed is enabled, and the safeckpt Accelerate integration does not "
-        "checkpoint DeepSpeed engines (their optimizer state lives inside the engine). Either "
-        "use the plain Accelerator and call "
-        "safeckpt.integrations.deepspeed.install_on_initialize() before training (the engine's "
-        "own checkpoints then go through safeckpt), use with_safeckpt(Trainer) (which commits "
-        "the engine's checkpoint atomically), or train with DDP or FSDP2."
-    )
 
 
 # --------------------------------------------------------------------------- RNG
