@@ -252,15 +252,7 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         if "alias_of" in rec:
             _check_alias(key, rec, tensors)
             continue
-        dtype_size(rec.get("dtype"))
-        shape = _list(rec.get("shape"), f"shape of {what}")
-        if len(shape) > MAX_DIMS:
-            raise _Bad(f"{what} has {len(shape)} dimensions (at most {MAX_DIMS})")
-        for d in shape:
-            _int(d, f"a dimension of {what}")
-        scope = rec.get("scope")
-        if scope not in SCOPES:
-            raise _Bad(f"{what} has unknown scope {scope!r:.40}")
+        _, shape, scope = _tensor_head(what, rec, dtype_size)
         if "chunks" in rec:
             raise _Bad(f"{what} lists chunks in a format-3 manifest")
         ways = [w for w in ("pieces", "sharding", "boxes") if w in rec]
@@ -403,8 +395,9 @@ def _tensor_ok(key: str, rec: dict[str, Any], files: dict[str, Any], world: int,
     return True
 
 
-def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: int, dtype_size: Any) -> None:
-    what = f"tensor {key!r:.200}"
+def _tensor_head(what: str, rec: dict[str, Any], dtype_size: Any) -> tuple[int, list[Any], Any]:
+    """A tensor record's dtype (its element size), shape and scope, checked: the same fields
+    in formats 2 and 3."""
     size = dtype_size(rec.get("dtype"))
     shape = _list(rec.get("shape"), f"shape of {what}")
     if len(shape) > MAX_DIMS:
@@ -414,6 +407,12 @@ def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: i
     scope = rec.get("scope")
     if scope not in SCOPES:
         raise _Bad(f"{what} has unknown scope {scope!r:.40}")
+    return size, shape, scope
+
+
+def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: int, dtype_size: Any) -> None:
+    what = f"tensor {key!r:.200}"
+    size, shape, scope = _tensor_head(what, rec, dtype_size)
     chunks = _list(rec.get("chunks"), f"chunks of {what}")
     boxes = []
     for i, ch in enumerate(chunks):
