@@ -276,10 +276,11 @@ def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool 
 
 
 def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | None = None,
-                    frozen: str = "fingerprint", extra_files: Mapping[str, bytes] | None = None) -> Any:
+                    frozen: str = "fingerprint", extra_files: Mapping[str, bytes] | None = None,
+                    write_files: Any = None) -> Any:
     """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective);
-    ``extra_files`` (rank 0's) are committed inside the checkpoint (as
-    ``CheckpointManager.save(extra_files=...)``)."""
+    ``extra_files`` (rank 0's) and the files ``write_files`` makes every rank write (a
+    DeepSpeed engine's) are committed inside the checkpoint (as ``CheckpointManager.save``)."""
     from .. import _frozen
     from .._save import new_job, safe_extra_name
     from ..coord.dist import Coordinator
@@ -291,6 +292,7 @@ def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | Non
     job = new_job(coord, target, _frozen.for_save(state, _frozen.check_frozen_mode(frozen)), None,
                   True, None, None, "auto", store=storage_for(target, None, timeout=coord.timeout))
     job.extra_files = extra
+    job.write_files = write_files
     return job.run()
 
 

@@ -42,7 +42,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .. import CheckpointManager, PerRank, RNGState
-from .._extra import WriteFiles
 from ..errors import (
     CheckpointError,
     CheckpointExists,
@@ -179,22 +178,6 @@ def _manager(acc: Accelerator, timeout: float | None) -> CheckpointManager:
     return mgr
 
 
-def _save_dir(path: str, state: dict[str, Any], extra: dict[str, bytes], hook: WriteFiles,
-              timeout: float | None) -> Any:
-    """``common.save_checkpoint`` with a ``write_files`` hook (a DeepSpeed engine's files); no
-    model is in ``state`` then, so there are no frozen parameters to fingerprint."""
-    from .._save import new_job, safe_extra_name
-    from ..coord.dist import Coordinator
-    from ..storage.base import resolve, storage_for
-
-    target = resolve(path)
-    coord = Coordinator(timeout, what=f"save to {target}")
-    job = new_job(coord, target, state, None, True, None, None, "auto",
-                  store=storage_for(target, None, timeout=coord.timeout))
-    job.extra_files = {safe_extra_name(k): bytes(v) for k, v in extra.items()}
-    job.write_files = hook
-    return job.run()
-
 
 def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
                timeout: float | None = None, engine_kwargs: dict[str, Any] | None = None) -> str:
@@ -226,11 +209,8 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
         if output_dir is None:
             raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
                                   "naming is disabled")
-        if hook is not None:
-            path = _save_dir(os.fspath(output_dir), state, extra, hook, timeout).path
-        else:
-            path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
-                                          extra_files=extra).path
+        path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
+                                      extra_files=extra, write_files=hook).path
     cfg.iteration += 1
     return path
 
