@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import re
 import socket
 import traceback
 from collections.abc import Callable
@@ -18,6 +19,22 @@ from datetime import timedelta
 from typing import Any
 
 DEFAULT_TIMEOUT = 90.0
+
+# What a gloo process prints when it aborts at interpreter exit with a DDP/FSDP module or a
+# process group still alive (NOTES.md section 5: about 1 in 20 processes, safeckpt or not).
+TEARDOWN_ABORT = "terminate called without an active exception"
+_FRAME = re.compile(r'File "([^"]+)"')
+
+
+def is_gloo_teardown_abort(output: str) -> bool:
+    """True when a torchrun job's only failure is that teardown abort: a rank died by SIGABRT
+    with the message above, and the only Python traceback is torchrun's own report of it
+    (an exception in the job's code or in safeckpt has frames elsewhere: a real failure)."""
+    if TEARDOWN_ABORT not in output or not re.search(r"exitcode\s*:\s*-6\b", output):
+        return False
+    frames = _FRAME.findall(output)
+    return all(f.startswith("<frozen ") or "torch/distributed/" in f.replace(os.sep, "/")
+               for f in frames)
 
 
 def free_port() -> int:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_harness import is_gloo_teardown_abort
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # Pages whose runnable blocks are executed; every page under docs/ is scanned so that a marker
@@ -133,6 +135,11 @@ def _run(block: Block, cwd: Path) -> None:
             pytest.fail(f"{block.name}: no result within {TIMEOUT[block.lang]:.0f} s (killed)\n"
                         f"{log.read_text(errors='replace')[-6000:]}")
     out = log.read_text(errors="replace")
+    if proc.returncode != 0 and block.torchrun and is_gloo_teardown_abort(out):
+        # gloo's own abort at interpreter exit (NOTES.md section 5), after the block's code ran to
+        # its end; the page's later blocks check what it left on disk.
+        print(f"{block.name}: tolerated gloo teardown abort (rc {proc.returncode})")
+        return
     if proc.returncode != 0:
         pytest.fail(f"{block.name}: exit status {proc.returncode} after {time.monotonic() - t0:.1f} s\n"
                     f"--- block ---\n{block.code}--- output ---\n{out[-6000:]}")
@@ -194,3 +201,19 @@ def test_cli_page_lists_the_exit_codes() -> None:
 
     rows = re.findall(r"^\| (\d+) \| (.+) \|$", (DOCS / "cli.md").read_text(), re.M)
     assert [(int(c), m.replace("\\|", "|")) for c, m in rows] == list(EXIT_CODES)
+
+
+def test_teardown_tolerance_is_only_for_gloo_exit_abort() -> None:
+    """The docs runner forgives gloo's exit abort, never an exception in the block or library."""
+    report = ("rank 0: kept [20, 30]\nterminate called without an active exception\n"
+              "Traceback (most recent call last):\n  File \"<frozen runpy>\", line 198, in _run_module_as_main\n"
+              "  File \"/v/site-packages/torch/distributed/run.py\", line 1032, in <module>\n"
+              "ChildFailedError:\n  exitcode  : -6 (pid: 1)  (SIGABRT)\n")
+    assert is_gloo_teardown_abort(report)
+    in_block = report.replace("Traceback (most recent call last):\n",
+                              "Traceback (most recent call last):\n  File \"/tmp/block_79.py\", line 3\n")
+    in_library = in_block.replace("/tmp/block_79.py", "/w/src/safeckpt/manager.py")
+    assert not is_gloo_teardown_abort(in_block)
+    assert not is_gloo_teardown_abort(in_library)
+    assert not is_gloo_teardown_abort(report.replace("-6", "-9"))
+    assert not is_gloo_teardown_abort(report.replace("terminate called", "killed"))
