@@ -250,6 +250,33 @@ def test_trainer_retention_and_best_model(runs: Runs) -> None:
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
+def test_trainer_async_saves_train_on_and_resume_bit_exact(runs: Runs) -> None:
+    """with_safeckpt(..., async_save=True): the same checkpoints, retention, best model and
+    bit-exact resume as the synchronous reference, while training went on before each commit."""
+    straight, preempt = runs.result("ddp_straight"), runs.result("ddp_async_preempt")
+    final = runs.result("ddp_async_final")
+    # synchronous: every checkpoint committed before Trainer's on_save; async: step 4's not yet
+    # (its writer was slowed by 2 s), and the preemption save of step 5 committed by train()'s end
+    assert straight["at_save"] == [[4, True], [8, True], [12, True]]
+    assert preempt["at_save"][0] == [4, False] and preempt["preempted"] and preempt["global_step"] == 5
+    assert final["start_step"] == 5 and final["global_step"] == 12
+    assert [s for s, _ in final["at_save"]] == [8, 12]
+    ref = losses(runs.path("straight", "losses.jsonl"))
+    assert losses(runs.path("async_resumed", "losses.jsonl")) == ref
+    assert assert_same_checkpoint(runs.path("straight", "checkpoint-12"),
+                                  runs.path("async_resumed", "checkpoint-12"),
+                                  ignore=("trainer_state/log_history", "trainer_state/best_model_checkpoint")) > 60
+    assert_same_rng(runs.path("straight"), runs.path("async_resumed"), "ddp")
+    root = runs.path("async_resumed")
+    assert committed(root) == committed(runs.path("straight"))  # same retention: newest + best
+    assert final["best_model_checkpoint"] == os.path.join(root, os.path.basename(straight["best_model_checkpoint"]))
+    from safetensors.torch import load_file
+
+    got, want = (load_file(runs.path(n, "final_model.safetensors")) for n in ("async_resumed", "straight"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)  # the best, loaded
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT + 60)
 def test_trainer_export_loads_with_from_pretrained(runs: Runs) -> None:
     for name in ("straight", "resumed"):
         export = runs.path(name, "export")

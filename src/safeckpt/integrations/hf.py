@@ -150,12 +150,15 @@ class SafeckptTrainerMixin(Trainer):
     ``safeckpt_root`` (default: ``args.output_dir``), ``safeckpt_timeout`` (seconds any rank
     waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600) and ``safeckpt_frozen``
     (``"fingerprint"``: frozen parameters, e.g. a PEFT base model, are saved as checksums and
-    verified on resume; ``"full"``: saved like the rest).
+    verified on resume; ``"full"``: saved like the rest) and ``safeckpt_async`` (``True``: a save
+    blocks training only while the state is copied aside; the checkpoint is written and
+    committed in the background, while the next steps train).
     """
 
     safeckpt_root: str | None = None
     safeckpt_timeout: float | None = None
     safeckpt_frozen: str = "fingerprint"
+    safeckpt_async: bool = False
     safeckpt_preempted: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -202,6 +205,11 @@ class SafeckptTrainerMixin(Trainer):
                 "checkpoint folders, which safeckpt does not write. Use hub_strategy='end' or "
                 "'every_save' (the exported model is pushed), or push checkpoints yourself."
             )
+        if self.safeckpt_async and ds.enabled(self):
+            raise CheckpointError(
+                f"{where}: async saves with DeepSpeed: the engine writes its own checkpoint files "
+                "inside the save, which must finish before training goes on. Use "
+                "with_safeckpt(..., async_save=False) with DeepSpeed.")
         if self.args.save_on_each_node:
             warnings.warn(
                 "save_on_each_node is ignored by safeckpt: every rank writes its share into one "
@@ -225,6 +233,7 @@ class SafeckptTrainerMixin(Trainer):
                 timeout=self.safeckpt_timeout,
                 frozen=self.safeckpt_frozen,
                 dirname=common.TRAINER_DIRNAME,
+                async_save=self.safeckpt_async,
             )
             self._safeckpt_drop_legacy_links()
         return self._safeckpt_mgr
@@ -454,6 +463,8 @@ class SafeckptTrainerMixin(Trainer):
             self._safeckpt_rng.apply()
 
     def _load_best_model(self) -> None:
+        if self._safeckpt_mgr is not None:
+            self._safeckpt_mgr.wait()  # the best may be the save still committing in the background
         path = os.path.realpath(self.state.best_model_checkpoint)
         if ds.enabled(self):  # as Trainer: the engine's checkpoint, through DeepSpeed
             ds.check_and_read(path, timeout=self.safeckpt_timeout)
@@ -565,6 +576,8 @@ class SafeckptTrainerMixin(Trainer):
             raise CheckpointError("safeckpt's Trainer integration does not support "
                                   "hyperparameter search trials")
         self.store_flos()  # all-gather: every rank, as Trainer does
+        mgr = self._safeckpt_manager()
+        mgr.wait()  # an async save still in flight: committed (or its error raised) first
         step = self.state.global_step
         root = self.safeckpt_root_dir
         path = common.step_dir(root, step, common.TRAINER_DIRNAME)
@@ -596,7 +609,6 @@ class SafeckptTrainerMixin(Trainer):
                  if _EXTRA_OK.match(name) and name != STATE_FILE}
         extra[STATE_FILE] = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
                              + "\n").encode("utf-8")
-        mgr = self._safeckpt_manager()
         hook = ds.engine_files(self.model_wrapped, exclude_frozen=self._safeckpt_peft()) if ds.enabled(self) else None
         info = mgr.save(step, state, metrics=metrics, extra_files=extra, write_files=hook)
         if info is not None and os.path.abspath(info.path) != path:
@@ -646,8 +658,13 @@ class SafeckptTrainerMixin(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
-def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | None = None) -> T:
+def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | None = None,
+                  async_save: bool | None = None) -> T:
     """``trainer_cls`` (Trainer, SFTTrainer, any Trainer subclass) with safeckpt checkpoints.
+
+    ``async_save=True``: each save blocks training only while the state is copied aside; it is
+    written and committed in the background (the next save, ``load_best_model_at_end`` and the
+    end of ``train()`` wait for it, and raise its error if it failed).
 
     The mixin is placed directly above ``Trainer`` in the MRO, so the subclass's own
     ``_save_checkpoint`` / ``_load_optimizer_and_scheduler`` additions still run; the returned
@@ -655,7 +672,7 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise TypeError(f"with_safeckpt needs a transformers.Trainer subclass, got {trainer_cls!r}")
-    if issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None:
+    if issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None and async_save is None:
         return trainer_cls
 
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
@@ -677,6 +694,8 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
         ns["safeckpt_root"] = os.fspath(root)
     if timeout is not None:
         ns["safeckpt_timeout"] = timeout
+    if async_save is not None:
+        ns["safeckpt_async"] = bool(async_save)
     if issubclass(trainer_cls, SafeckptTrainerMixin):
         bases: tuple[type, ...] = (trainer_cls,)
     elif trainer_cls is Trainer:

@@ -35,6 +35,7 @@ def phases(base: str) -> dict[str, list[tuple[str, object]]]:
         "first": [
             ("ddp_straight", lambda: tj.ddp_job(p("straight"))),
             ("ddp_preempt", lambda: tj.ddp_job(p("resumed"), signal_at=5)),
+            ("ddp_async_preempt", lambda: tj.ddp_job(p("async_resumed"), signal_at=5, async_save=True)),
             ("sft_straight", lambda: tj.sft_fsdp2_job(base, p("sft_straight"))),
             ("acc_straight", lambda: aj.job(p("acc_straight"))),
             ("acc_preempt", lambda: aj.job(p("acc_resumed"), signal_at=6)),
@@ -46,6 +47,7 @@ def phases(base: str) -> dict[str, list[tuple[str, object]]]:
         ],
         "final": [
             ("ddp_final", lambda: tj.ddp_job(p("resumed"), resume=True)),
+            ("ddp_async_final", lambda: tj.ddp_job(p("async_resumed"), resume=True, async_save=True)),
             ("acc_final", lambda: aj.job(p("acc_resumed"), resume=True)),
         ],
     }

@@ -27,6 +27,7 @@ class Record(TrainerCallback):
     def __init__(self, path: str, signal_at: int | None = None) -> None:
         self.path, self.signal_at = path, signal_at
         self.start_step: int | None = None
+        self.at_save: list[list[Any]] = []
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.start_step = state.global_step  # the step the run resumed from (0: fresh)
@@ -35,6 +36,11 @@ class Record(TrainerCallback):
         if dist.get_rank() == 0 and logs and "loss" in logs:
             with open(self.path, "a") as f:
                 f.write(f'{{"step": {state.global_step}, "loss": {float(logs["loss"])!r}}}\n')
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        # Whether the checkpoint was committed when Trainer went on (async saves: not yet).
+        d = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.at_save.append([state.global_step, os.path.isfile(os.path.join(d, "manifest.json"))])
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         # A real SIGTERM to rank 1 only, in the middle of step `signal_at`.
@@ -78,21 +84,28 @@ def args(out: str, **kw: Any) -> TrainingArguments:
 
 
 def ddp_job(out: str, *, resume: Any = None, signal_at: int | None = None,
-            kill_save_at: int | None = None) -> dict[str, Any]:
+            kill_save_at: int | None = None, async_save: bool = False) -> dict[str, Any]:
     """Trainer (DDP) on the tiny Llama; optional SIGTERM to rank 1, optional SIGKILL of rank 1
-    in the middle of writing the checkpoint of step ``kill_save_at``."""
+    in the middle of writing the checkpoint of step ``kill_save_at``; ``async_save``: saves
+    commit in the background."""
     if kill_save_at is not None:
         _kill_rank1_during_save(kill_save_at, os.path.join(out, "killed-in-save"))
     os.makedirs(out, exist_ok=True)
-    cls = with_safeckpt(SideFileTrainer)
+    cls = with_safeckpt(SideFileTrainer, async_save=async_save)
     record = Record(os.path.join(out, "losses.jsonl"), signal_at)
     trainer = cls(model=tiny.model(), args=args(out), train_dataset=tiny.TokenData(32, 1),
                   eval_dataset=tiny.TokenData(8, 2), callbacks=[record])
-    result = trainer.train(resume_from_checkpoint=resume)
+    real_fsync = os.fsync
+    if async_save:  # the background writer takes its time: training must not wait for it
+        os.fsync = _slow_fsync(real_fsync, 2.0)
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+    finally:
+        os.fsync = real_fsync
     dump_rng(out, "ddp")
     res = {
         "global_step": result.global_step, "preempted": trainer.safeckpt_preempted,
-        "start_step": record.start_step,
+        "start_step": record.start_step, "at_save": record.at_save,
         "best_model_checkpoint": trainer.state.best_model_checkpoint,
         "side_counter": SideFileTrainer.counter,
         "log_history": trainer.state.log_history,
@@ -126,6 +139,22 @@ def dump_rng(out: str, tag: str) -> None:
     """This rank's torch RNG state right after training, to compare runs rank by rank."""
     _save_tensors(os.path.join(out, f"rng-{tag}-rank{dist.get_rank()}.safetensors"),
                   {"torch": torch.get_rng_state()})
+
+
+def _slow_fsync(real_fsync: Any, seconds: float) -> Any:
+    """``os.fsync`` that first sleeps ``seconds`` for checkpoint data files in staging."""
+    import time
+
+    def fsync(fd: int) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if ".safeckpt-staging-" in path and path.endswith(".safetensors"):
+            time.sleep(seconds)
+        real_fsync(fd)
+
+    return fsync
 
 
 def _kill_rank1_during_save(step: int, marker: str) -> None:
