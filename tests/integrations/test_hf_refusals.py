@@ -51,9 +51,9 @@ def _args(out: str, **kw: object) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
-def _trainer(out: str, model: object = None, **kw: object) -> Trainer:
-    return with_safeckpt(Trainer)(model=model or tiny.model(), args=_args(out, **kw),
-                                  train_dataset=tiny.TokenData(8, 1))
+def _trainer(out: str, model: object = None, async_save: bool = False, **kw: object) -> Trainer:
+    return with_safeckpt(Trainer, async_save=async_save)(model=model or tiny.model(), args=_args(out, **kw),
+                                                         train_dataset=tiny.TokenData(8, 1))
 
 
 def test_with_safeckpt_places_the_mixin_directly_above_trainer() -> None:
@@ -119,6 +119,8 @@ def test_deepspeed_under_trainer_with_save_only_model_is_refused(tmp_path, monke
           "zero_optimization": {"stage": 1}}
     with pytest.raises(safeckpt.CheckpointError, match="save_only_model=True with DeepSpeed"):
         _trainer(str(tmp_path), deepspeed=ds, save_only_model=True)
+    with pytest.raises(safeckpt.CheckpointError, match="async saves with DeepSpeed"):
+        _trainer(str(tmp_path), deepspeed=ds, async_save=True)
 
 
 # ----------------------------------------------------------------------------- Accelerate
