@@ -129,8 +129,9 @@ class _SaveJob:
         self.after_commit_hint = ""
         # Small files the coordinator adds to the checkpoint (a framework's own JSON, such as
         # Trainer's trainer_state.json): inside the commit where the storage renames a staging
-        # directory, right after the manifest on object stores. Listed in the manifest's
-        # "extra" with size and checksum (verify checks them).
+        # directory; on object stores before the manifest PUT, except on an overwrite (see
+        # storage.commit). Listed in the manifest's "extra" with size and checksum (verify
+        # checks them).
         self.extra_files: dict[str, bytes] = {}
         # Files every rank writes itself during the write phase (``_extra.WriteFiles``: a
         # DeepSpeed engine's checkpoint), hashed by that rank, listed in the manifest's "written".
@@ -513,16 +514,11 @@ class _SaveJob:
         if self.write_files is not None:  # one record per file, from the rank that wrote it
             head["written"] = _extra.merge([w.get("written") for w in written],
                                            {*files, *self.extra_files, MANIFEST}, self.store, staging["path"])
-        if self.extra_files:
-            if self.store.renames:
-                for name, data in self.extra_files.items():
-                    self.store.put(self.store.join(staging["path"], safe_extra_name(name)), data)
+        extras = {safe_extra_name(name): data for name, data in self.extra_files.items()}
         objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
         raw = encode_manifest_text(head, objects, self.plan.tensors_json)
-        _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files)
-        if self.extra_files and not self.store.renames:
-            for name, data in self.extra_files.items():
-                self.store.put(self.store.join(self.target, safe_extra_name(name)), data)
+        _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files,
+                       extras=extras)
         remember_published(self.store, self.target, head)
         info = self._committed_info(head, files)
         if self.after_commit is not None:

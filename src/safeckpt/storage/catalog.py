@@ -5,8 +5,9 @@ Read-only and lock-free: any process may scan a root at any time, on any storage
 committed checkpoint only if its name is a checkpoint name (``step-N``, or a framework's
 ``checkpoint-N`` / ``checkpoint_N``, see :class:`DirName`) and it holds a valid manifest. Leftovers
 of interrupted saves are recognised by name: hidden staging and trash directories (POSIX), data
-objects with a save token that no manifest names, and unfinished uploads of such objects
-(object stores). Anything else is *foreign* and is never touched by retention or gc.
+objects with a save token that no manifest names, the sidecars of saves' extra files and the
+files they list that no manifest names (see ``commit.EXTRAS_FILE``), and unfinished uploads of
+data objects (object stores). Anything else is *foreign* and is never touched by retention or gc.
 
 A scan runs concurrently with a writer that publishes new checkpoints and retention that
 deletes old ones (after the new one is committed). If something vanished while we looked, or
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointError, CheckpointNotFound, SafeckptWarning
 from ..format.manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
 from .base import Storage, StorageError, Upload, storage_for
-from .commit import TOKEN_FILE, named_files
+from .commit import EXTRAS_FILE, TOKEN_FILE, leftover_extras, manifest_names
 
 STEP_PREFIX = "step-"
 _LEFTOVER_RE = re.compile(r"^\.(.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(TRASH_MARK) + r")[0-9a-f]+$")
@@ -227,7 +228,8 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
             if not last:
                 raise _Stale from None
             return []
-        ours = tuple(sorted(i.name for i in present if TOKEN_FILE.match(i.name)))
+        names = [i.name for i in present]
+        ours = tuple(sorted(n for n in names if TOKEN_FILE.match(n))) + tuple(leftover_extras(store, path, names))
         if ours:
             return [Entry(name, path, "staging", step, files=ours)]
         if step is not None and default_name:
@@ -244,8 +246,9 @@ def _inspect(store: Storage, name: str, path: str, step: int | None, leftovers: 
             _remember(stamp, info)
         out.append(Entry(name, path, "committed", step, info))
     if leftovers and not store.renames:
-        stray = tuple(sorted(i.name for i in store.list(path) or () if TOKEN_FILE.match(i.name)
-                             and i.name not in man["files"]))
+        names = [i.name for i in store.list(path) or ()]
+        stray = tuple(sorted(n for n in names if TOKEN_FILE.match(n) and n not in man["files"]))
+        stray += tuple(leftover_extras(store, path, names))
         if stray:
             out.append(Entry(name, path, "staging", step, files=stray))
     return out
@@ -324,7 +327,7 @@ def remove_entry(entry: Entry, store: Storage | None = None) -> None:
     """Delete a leftover or a committed checkpoint so that it never looks committed half-way."""
     store = store or storage_for(entry.path)
     if entry.files or entry.uploads:
-        for name in entry.files:
+        for name in entry.files:  # in order: extras' sidecars last (see commit.leftover_extras)
             store.delete(store.join(entry.path, name))
         for upload in entry.uploads:
             store.abort(upload)
@@ -332,11 +335,12 @@ def remove_entry(entry: Entry, store: Storage | None = None) -> None:
     if store.renames:
         store.delete_tree(entry.path)  # renamed aside first
         return
-    # The manifest first (the checkpoint stops being committed at once), then only its objects.
-    named = named_files(store, entry.path)
+    # The manifest first (the checkpoint stops being committed at once), then only its objects
+    # (data and extra files).
+    named = manifest_names(store, entry.path) or set()
     store.delete(store.join(entry.path, MANIFEST))
     for item in sorted(store.list(entry.path) or (), key=lambda i: i.name):
-        if item.name in named or TOKEN_FILE.match(item.name):
+        if item.name in named or TOKEN_FILE.match(item.name) or EXTRAS_FILE.match(item.name):
             store.delete(store.join(entry.path, item.name))
 
 

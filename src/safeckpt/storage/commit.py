@@ -12,13 +12,23 @@ directory and an object store:
                           ranks on other machines with their own local disks fail here, at the
                           first save, with a message saying what to use instead.
 3. write   (all ranks)    stream this rank's file, hashed while written.
-4. commit  (coordinator)  check every rank's file arrived with the size it reported, then
-                          ``publish``: the manifest and the atomic step that makes the save
-                          visible (rename on POSIX, the manifest PUT itself on an object store).
-                          After an object-store overwrite, the objects only the replaced
-                          manifest named are deleted.
+4. commit  (coordinator)  check every rank's file arrived with the size it reported, put the
+                          coordinator's extra files, then ``publish``: the manifest and the
+                          atomic step that makes the save visible (rename on POSIX, the manifest
+                          PUT itself on an object store). After an object-store overwrite, the
+                          objects only the replaced manifest named are deleted.
 5. discard (coordinator, after a failure) remove what the save wrote and abort its unfinished
                           uploads; never raises (what it cannot remove is swept later).
+
+Extra files on an object store keep their plain names (``trainer_state.json``: the framework
+reads them there), so they cannot carry the token. Where the target holds no manifest they are
+put before the manifest, after a token-named sidecar (``.extras.<token>.json``) that lists
+them: the manifest PUT stays the one commit point, and the plain-named objects of a save that
+died before it are recognised by the sidecar as its leftovers (swept, never "foreign"). Where
+the target holds a committed manifest (an overwrite), putting them first would change that
+checkpoint's files before the new manifest lands, so they follow the manifest there: a
+coordinator killed between the two leaves the new manifest beside the old extra files, which
+verify reports (and restore skips).
 """
 
 from __future__ import annotations
@@ -29,14 +39,20 @@ import shutil  # noqa: F401 - tests reach shutil.rmtree through this module
 import time
 import uuid
 import warnings
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointExists, SafeckptWarning
-from ..format.manifest import MANIFEST, max_manifest_bytes
+from ..errors import CheckpointError, CheckpointExists, CorruptCheckpoint, SafeckptWarning
+from ..format.manifest import MANIFEST, max_manifest_bytes, safe_file_path
 from .base import Storage
 
 TOKEN_FILE = re.compile(r"^rank-(\d{5})\.([0-9a-f]{12})\.safetensors$")
+# The sidecar naming a save's plain-named extra files (see the module docstring). The leading
+# dot keeps it apart from every name a user may give: extra and written names may not start
+# with one.
+EXTRAS_FILE = re.compile(r"^\.extras\.([0-9a-f]{12})\.json$")
+EXTRAS_LIMIT = 1 << 20  # bytes read of a sidecar (a list of file names)
 PROBE_WAIT = 5.0  # seconds a rank waits to see the staging place (NFS attribute caches)
 DISCARD_WAIT = 5.0  # seconds each storage call of the cleanup after a failed save may take
 NOT_SHARED = (
@@ -69,12 +85,13 @@ def _check_target(store: Storage, target: str, overwrite: bool) -> None:
             )
         return
     # Objects: a prefix exists only through its objects; token-named ones without a manifest
-    # are leftovers of interrupted saves, not in the way.
+    # (and the extra files their sidecars name) are leftovers of interrupted saves, not in the way.
     if MANIFEST in files:
         if not overwrite:
             raise _exists(target)
         return
-    foreign = sorted(n for n in files if not TOKEN_FILE.match(n))
+    ours = pending_extras(store, target, files)
+    foreign = sorted(n for n in files if not TOKEN_FILE.match(n) and n not in ours)
     if foreign:
         raise CheckpointExists(
             f"{target} holds objects that are not a safeckpt checkpoint "
@@ -139,23 +156,46 @@ def check_written(store: Storage, staging: dict[str, str], written: list[dict[st
 
 
 def commit(store: Storage, target: str, staging: dict[str, str], manifest: bytes, *, overwrite: bool,
-           files: dict[str, Any]) -> None:
-    """Coordinator: publish the save (the commit point); then drop what it replaced."""
-    old = named_files(store, target) if overwrite and not store.renames else set()
+           files: dict[str, Any], extras: Mapping[str, bytes] | None = None) -> None:
+    """Coordinator: put the ``extras`` (name -> bytes, names already checked) and publish the
+    save (the commit point); then drop what it replaced. See the module docstring for where the
+    extras go on each storage."""
+    extras = dict(extras or {})
+    if store.renames:  # inside the staging directory: the rename publishes them with the rest
+        _put_all(store, staging["path"], extras)
+        _publish(store, staging["path"], target, manifest, overwrite)
+        return
+    old = manifest_names(store, target) if overwrite else None
+    sidecar = store.join(target, extras_name(staging["token"]))
+    if extras and old is None:  # nothing committed here that the extras could change
+        store.put(sidecar, json.dumps({"extras": sorted(extras)}).encode())
+        _put_all(store, target, extras)
+    _publish(store, staging["path"], target, manifest, overwrite)
+    # Committed. The sidecar and the replaced checkpoint's objects are garbage now; a failure
+    # to delete them leaves leftovers for the next sweep, never an error.
+    if old is not None:
+        _put_all(store, target, extras)  # the window the module docstring names
+    garbage = sorted((old or set()) - set(files) - set(extras))
+    for path in [store.join(target, n) for n in garbage] + ([sidecar] if extras and old is None else []):
+        try:
+            store.delete(path)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _put_all(store: Storage, where: str, extras: Mapping[str, bytes]) -> None:
+    for name, data in extras.items():
+        store.put(store.join(where, name), data)
+
+
+def _publish(store: Storage, staging: str, target: str, manifest: bytes, overwrite: bool) -> None:
     try:
-        publish(store, staging["path"], target, manifest, replace=overwrite)
+        publish(store, staging, target, manifest, replace=overwrite)
     except FileExistsError:
         raise CheckpointExists(
             f"{target} appeared while saving (another job writing the same path?); "
             "nothing was replaced."
         ) from None
-    # Committed. The replaced checkpoint's objects are garbage now; a failure to delete them
-    # leaves leftovers for the next sweep, never an error.
-    for name in sorted(old - set(files)):
-        try:
-            store.delete(store.join(target, name))
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def publish(store: Storage, staging: str, final: str, manifest: bytes, *, replace: bool) -> None:
@@ -164,14 +204,70 @@ def publish(store: Storage, staging: str, final: str, manifest: bytes, *, replac
 
 
 def named_files(store: Storage, ckpt: str) -> set[str]:
-    """Files the current manifest at ``ckpt`` names (empty if it has none or it is unreadable)."""
+    """Data files the current manifest at ``ckpt`` names (empty if it has none or it is unreadable)."""
+    return _names(store.read(store.join(ckpt, MANIFEST), max_manifest_bytes() + 1), ("files",)) or set()
+
+
+def manifest_names(store: Storage, ckpt: str) -> set[str] | None:
+    """Every file the current manifest at ``ckpt`` names (data, extra, written); None if there
+    is no manifest (empty if it is unreadable)."""
     raw = store.read(store.join(ckpt, MANIFEST), max_manifest_bytes() + 1)
+    return _names(raw, ("files", "extra", "written"))
+
+
+def _names(raw: bytes | None, tables: tuple[str, ...]) -> set[str] | None:
     if raw is None:
-        return set()
+        return None
     try:
-        return {str(n) for n in json.loads(raw).get("files", {})}
-    except (ValueError, AttributeError):
+        man = json.loads(raw)
+        return {str(n) for t in tables for n in man.get(t, {})}
+    except (ValueError, AttributeError, TypeError):
         return set()
+
+
+def extras_name(token: str) -> str:
+    """The sidecar of the save with ``token`` (see ``EXTRAS_FILE``)."""
+    return f".extras.{token}.json"
+
+
+def pending_extras(store: Storage, ckpt: str, names: Iterable[str], token: str | None = None) -> set[str]:
+    """The sidecars among ``names`` (objects directly in ``ckpt``; only ``token``'s if given) and
+    the extra files they list: what saves that did not commit here may have left. A listed name
+    that is not a plain file name (a damaged sidecar) is ignored; so is an unreadable sidecar's
+    content (the sidecar itself still counts)."""
+    out: set[str] = set()
+    for name in names:
+        m = EXTRAS_FILE.match(name)
+        if not m or (token is not None and m.group(1) != token):
+            continue
+        out.add(name)
+        raw = store.read(store.join(ckpt, name), EXTRAS_LIMIT)
+        try:
+            listed = json.loads(raw or b"{}").get("extras", [])
+        except (ValueError, AttributeError):
+            continue
+        out.update(n for n in listed if _plain(n))
+    return out
+
+
+def _plain(name: Any) -> bool:
+    try:
+        safe_file_path("", name)
+    except CorruptCheckpoint:
+        return False
+    return name != MANIFEST and not TOKEN_FILE.match(name) and not EXTRAS_FILE.match(name)
+
+
+def leftover_extras(store: Storage, ckpt: str, names: Iterable[str], token: str | None = None) -> list[str]:
+    """What to delete of ``pending_extras``: the sidecars, and the files they list that exist
+    and that the manifest at ``ckpt`` (if any) does not name; sidecars last, so that a removal
+    cut short still leaves them to recognise the rest."""
+    present = set(names)
+    pending = pending_extras(store, ckpt, present, token) & present
+    if not pending:
+        return []
+    keep = manifest_names(store, ckpt) or set()
+    return sorted(pending - keep, key=lambda n: (bool(EXTRAS_FILE.match(n)), n))
 
 
 def discard(store: Storage, target: str, staging: dict[str, str]) -> None:
@@ -187,10 +283,13 @@ def discard(store: Storage, target: str, staging: dict[str, str]) -> None:
         token = staging["token"]
         if any(token in n for n in named_files(store, target)):
             return  # committed after all (e.g. a timeout after the PUT succeeded)
-        for item in store.list(target) or ():
-            m = TOKEN_FILE.match(item.name)
+        present = [i.name for i in store.list(target) or ()]
+        for name in present:
+            m = TOKEN_FILE.match(name)
             if m and m.group(2) == token:
-                store.delete(store.join(target, item.name))
+                store.delete(store.join(target, name))
+        for name in leftover_extras(store, target, present, token):
+            store.delete(store.join(target, name))
         for upload in store.uploads(target):
             m = TOKEN_FILE.match(upload.path.rsplit("/", 1)[-1])
             if m and m.group(2) == token:
