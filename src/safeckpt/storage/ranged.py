@@ -38,6 +38,23 @@ MAX_PARTS = 8  # ... and at most this many at once
 MERGE_GAP = 1 << 20  # likely ranges closer than this are fetched as one
 
 
+def ignored_range(data: Any, lo: int, hi: int, size: int) -> bool:
+    """Whether the answer to a GET of bytes [lo, hi) is the whole object of ``size`` bytes
+    instead: the server ignored the Range header (plain HTTP servers such as Python's
+    http.server do, answering 200 instead of 206)."""
+    return len(data) == size != hi - lo
+
+
+def check_part(data: Any, lo: int, hi: int, path: str, ckpt: str | None = None) -> None:
+    """Raise unless ``data`` has the length of the range [lo, hi) it answers."""
+    if len(data) != hi - lo:
+        raise CorruptCheckpoint(
+            f"{'short' if len(data) < hi - lo else 'long'} read from {path} bytes {lo}-{hi} (got "
+            f"{len(data)} bytes): the object changed or was deleted while reading, or the server "
+            "does not answer ranged GETs with the range asked for", path=ckpt,
+        )
+
+
 def split(start: int, end: int, min_part: int = MIN_PART, max_parts: int = MAX_PARTS) -> list[tuple[int, int]]:
     """[start, end) cut into at most ``max_parts`` nearly equal parts of at least ``min_part``."""
     n = end - start
@@ -93,15 +110,9 @@ class RemoteFile:
             ) from None
         got = list(got)
         for i, ((lo, hi), data) in enumerate(zip(parts, got)):
-            if len(data) == self.size != hi - lo:
-                # the server ignored the Range header (plain HTTP servers do) and sent the whole
-                # object, which has the size the manifest says: take the part asked for
+            if ignored_range(data, lo, hi, self.size):  # the whole object: take the part asked for
                 got[i] = data = data[lo:hi]
-            if len(data) != hi - lo:
-                raise CorruptCheckpoint(
-                    f"short read from {self.path} bytes {lo}-{hi} (got {len(data)}): the object "
-                    "changed or was deleted while reading", path=self.ckpt,
-                )
+            check_part(data, lo, hi, self.path, self.ckpt)
         self.fetched += sum(hi - lo for lo, hi in parts)
         return got
 
@@ -250,14 +261,21 @@ def _as_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 def stream_hash(store: Any, path: str, size: int, progress: Any = None, window: int = 128 << 20,
                 spans: Sequence[tuple[int, int]] = ()) -> FileDigest:
     """:meth:`Storage.hash` of an object: fetched ``window`` bytes at a time in concurrent
-    parts, each part hashed in order into the object's digest and its spans' (one download)."""
+    parts, each part hashed in order into the object's digest and its spans' (one download).
+    A server that ignores ranges answers each part with the whole object (``ignored_range``):
+    that answer is hashed instead, once, rather than fetched again for every part."""
     d = StreamDigest(spans)
     for lo in range(0, size, window):
         hi = min(lo + window, size)
         parts = split(lo, hi)
         for (plo, phi), data in zip(parts, store.fetch(path, [p[0] for p in parts], [p[1] for p in parts])):
-            if len(data) != phi - plo:
-                raise CorruptCheckpoint(f"short read from {path} bytes {plo}-{phi}: the object changed while reading")
+            if ignored_range(data, plo, phi, size):
+                whole = StreamDigest(spans)
+                whole.update(data)
+                if progress is not None:
+                    progress(size - lo)
+                return whole.result()
+            check_part(data, plo, phi, path)
             d.update(data)
         if progress is not None:
             progress(hi - lo)
