@@ -137,6 +137,84 @@ def test_a_chunk_only_the_other_rank_hashed_still_fails_the_load_everywhere(tmp_
         assert o.value["unchanged"]
 
 
+def _trained(seed: int, steps: int) -> dict:
+    """A model and an AdamW optimizer after ``steps`` steps (0: no optimizer state yet)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+    return {"model": model, "optim": opt}
+
+
+def _load_optim_counting(rank: int, world: int, path: str) -> dict:
+    """Load into a fresh model and optimizer (the optimizer's state is read into new tensors):
+    which chunks this rank hashed, and whether the state is the saved one or unchanged."""
+    import safeckpt._reader as reader
+
+    hashed = []
+    orig = reader.TensorReader._compare
+
+    def counting(self, key, c, digest):
+        hashed.append((c["start"], c["end"]))
+        return orig(self, key, c, digest)
+
+    reader.TensorReader._compare = counting
+    state = _trained(5, 0)
+    before = [p.detach().clone() for p in state["model"].parameters()]
+    error = None
+    try:
+        safeckpt.load(path, state)
+    except safeckpt.CheckpointError as exc:
+        error = type(exc).__name__
+    want = _trained(1, 2)["optim"].state_dict()["state"]
+    got = state["optim"].state_dict()["state"]
+    return {
+        "hashed": sorted(hashed), "error": error,
+        "unchanged": not got and all(torch.equal(a, b) for a, b in zip(state["model"].parameters(), before)),
+        "loaded": got.keys() == want.keys() and all(torch.equal(got[i][k], want[i][k]) for i in want for k in want[i]),
+    }
+
+
+def _save_trained(tmp_path) -> str:
+    path = str(tmp_path / "ck")
+    safeckpt.save(path, _trained(1, 2))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_state_read_into_new_tensors_is_hashed_by_one_rank(tmp_path):
+    path = _save_trained(tmp_path)
+    out = dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    a, b = (o.value for o in out)
+    assert a["loaded"] and b["loaded"] and a["error"] is None is b["error"]
+    assert not set(a["hashed"]) & set(b["hashed"])
+    big = [c for c in _chunks(path) if c[1] - c[0] >= 128 * 64 * 4]  # exp_avg/exp_avg_sq of the weights
+    assert len(big) >= 4 and set(big) <= set(a["hashed"]) | set(b["hashed"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_optimizer_chunk_hashed_by_the_other_rank_still_fails_everywhere(tmp_path, rank):
+    path = _save_trained(tmp_path)
+    clean = dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+    big = [c for c in _chunks(path) if c[1] - c[0] >= 128 * 64 * 4]
+    start, end = next(c for c in big if c in clean[rank].value["hashed"])  # rank `rank` hashes it
+    data = f"{path}/{DATA}"
+    with open(data, "r+b") as f:
+        f.seek((start + end) // 2)
+        b = f.read(1)
+        f.seek((start + end) // 2)
+        f.write(bytes([b[0] ^ 0x20]))
+    out = dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:  # the other rank read those bytes unhashed; both refuse, state untouched
+        assert o.value["error"] == "CorruptCheckpoint", o.value
+        assert o.value["unchanged"], o.value
+
+
 def test_reader_threads_shrink_with_the_ranks_on_one_machine(monkeypatch):
     from safeckpt import _reader
 

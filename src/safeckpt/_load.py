@@ -309,15 +309,16 @@ class _LoadJob:
         """The reader over the chunks this rank needs: for format 3, only the indexes of the
         files that hold them are read (an FSDP2 rank at the same world size: its own file)."""
         view = self.man
+        self.fresh_targets: list[tuple[str, Any]] = []  # what stateful objects read into new tensors
+        for name, tree in self.trees.items():
+            if self.kinds[name] != "stateful":
+                continue
+            if name in self.optim_plans:
+                self.fresh_targets += _optim.plan_targets(self.optim_plans[name], self.record)
+            else:
+                self.fresh_targets += [(k, None) for k in tensor_keys(tree)]
         if self.layout is not None:
-            targets: list[tuple[str, Any]] = list(self.boxes.items())
-            for name, tree in self.trees.items():
-                if self.kinds[name] != "stateful":
-                    continue
-                if name in self.optim_plans:
-                    targets += _optim.plan_targets(self.optim_plans[name], self.record)
-                else:
-                    targets += [(k, None) for k in tensor_keys(tree)]
+            targets = [*self.boxes.items(), *self.fresh_targets]
             view = self.layout.view(self.layout.files_for(targets, self.rank))
         self.reader = TensorReader(self.dir, view, rank=self.rank, verify=self.verify, store=self.store)
 
@@ -332,7 +333,8 @@ class _LoadJob:
         reader = self.reader
         assert reader is not None
         targets = list(self.boxes.items())
-        shared = self._shared_chunks(targets) if self.world_size > 1 and self.verify else []
+        shared = (self._shared_chunks([*targets, *self.fresh_targets])
+                  if self.world_size > 1 and self.verify else [])
         cache = page_cache_id(self.dir) if shared and reader.store.renames else None
         local = local_position()
         mine, self.shared_skipped = (split_shared(shared, *local) if cache is not None and local
@@ -340,6 +342,7 @@ class _LoadJob:
         if cache is not None and local:
             reader.threads = read_threads(local[1])
         self.share = {"cache": cache, "local": local, "shared": shared_digest(shared)} if cache else None
+        reader.defer(self.shared_skipped)
         prefault = Prefault([leaf.tensor for matched in self.targets.values() for leaf in matched.values()])
         try:
             self.loaded: dict[str, Any] = {}
@@ -351,16 +354,20 @@ class _LoadJob:
                 else:
                     tensors = reader.new_many(list(tensor_keys(tree)))
                     self.loaded[name] = decode(tree, tensors.__getitem__)
-            reader.check_many(targets, skip=set(self.shared_skipped))
+            reader.check_many(targets)
         finally:
             prefault.stop()
 
     def _shared_chunks(self, targets: list[tuple[str, Any]]) -> list[tuple[tuple[str, int, int], int]]:
-        """(chunk, bytes) of the replicated tensors this rank copies whole: what every rank of
-        a data-parallel job needs alike, so ranks of one machine can split their hashing."""
+        """(chunk, bytes) of the replicated tensors this rank copies or reads whole (``box``
+        None: into a fresh tensor): what every rank of a data-parallel job needs alike, so
+        ranks of one machine can split their hashing."""
         assert self.reader is not None
-        whole = [(k, box) for k, box in targets
-                 if self.record(k).get("scope") == "replicated" and box[1] == self.record(k)["shape"]]
+        whole = []
+        for k, box in targets:
+            rec = self.record(k)
+            if rec.get("scope") == "replicated" and (box is None or box[1] == rec["shape"]):
+                whole.append((k, box if box is not None else [[0] * len(rec["shape"]), rec["shape"]]))
         return sorted((ident, ident[2] - ident[1]) for ident in self.reader.needed(whole))
 
     def check_rest(self) -> None:

@@ -184,6 +184,9 @@ class TensorReader:
         self.verify = verify
         self._files: dict[str, Any] = {}  # MappedFile, or _rangedfile.RemoteFile for a URL
         self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
+        # Chunks another rank of this machine verifies (see _verify_split): read into fresh
+        # tensors without hashing; trust_idents or check_idents settles them before any use.
+        self._deferred: set[tuple[str, int, int]] = set()
         self._tied = {r["alias_of"] for r in manifest["tensors"].values() if "alias_of" in r}
         self._made: dict[str, torch.Tensor] = {}  # tied tensors already built by new()
         self.nbytes_read = 0  # bytes copied out of the files (overlaps only), for tests and stats
@@ -275,24 +278,28 @@ class TensorReader:
         """The chunks (file, start, end) :meth:`check_many` would verify for ``targets``."""
         return list(self._needed(targets)) if self.verify else []
 
-    def check_many(self, targets: list[tuple[str, Box]], skip: set[tuple[str, int, int]] | None = None) -> None:
+    def check_many(self, targets: list[tuple[str, Box]]) -> None:
         """Verify (once, in parallel) the checksum of every chunk that the (key, box) targets
-        overlap, reading each such chunk whole. Loads call this for everything they will copy
-        in place before copying anything, so a damaged checkpoint fails before the caller's
-        state is touched. ``skip``: chunks another rank verifies (see ``_verify_split``;
-        :meth:`trust_idents` them once every rank's check succeeded)."""
+        overlap, reading each such chunk whole, except the :meth:`defer`-ed ones. Loads call
+        this for everything they will copy in place before copying anything, so a damaged
+        checkpoint fails before the caller's state is touched."""
         if not self.verify:
             return
         todo = self._needed(targets)
-        if skip:
-            todo = {ident: kc for ident, kc in todo.items() if ident not in skip}
-        self._check(list(todo.values()))
+        self._check([kc for ident, kc in todo.items() if ident not in self._deferred])
+
+    def defer(self, idents: Sequence[tuple[str, int, int]]) -> None:
+        """Leave the chunks ``idents`` to another rank of this machine (see ``_verify_split``):
+        :meth:`check_many` skips them and reads into fresh tensors do not hash them, until
+        :meth:`trust_idents` (every rank's check succeeded) or :meth:`check_idents`."""
+        self._deferred.update(idents)
 
     def check_idents(self, idents: Sequence[tuple[str, int, int]]) -> None:
         """Verify the chunks ``idents`` (file, start, end) of this reader's view."""
         if not self.verify or not idents:
             return
         want = set(idents)
+        self._deferred.difference_update(want)
         found = {}
         for key, rec in self.man["tensors"].items():
             for c in rec.get("chunks", ()):
@@ -324,6 +331,7 @@ class TensorReader:
         """Count chunks (file, start, end) as verified: another rank reading the same page
         cache verified them in a check phase that succeeded on every rank."""
         self._verified.update(idents)
+        self._deferred.difference_update(idents)
 
     def fill_many(self, targets: list[tuple[str, torch.Tensor]], *, owned: bool = False,
                   boxes: dict[str, Box] | None = None) -> None:
@@ -370,10 +378,11 @@ class TensorReader:
         one preadv straight into all their destinations. As there, every chunk is verified
         before its bytes are read into a destination; with ``owned`` (fresh tensors the caller
         drops if this raises) a chunk not verified yet is hashed in the destination instead."""
-        verified = self._verified
-        fresh = [owned and self.verify and (c["file"], c["start"], c["end"]) not in verified for c, _, _ in run]
-        for (c, key, _), unseen in zip(run, fresh, strict=True):
-            if not unseen:
+        verified, deferred = self._verified, self._deferred
+        idents = [(c["file"], c["start"], c["end"]) for c, _, _ in run]
+        fresh = [owned and self.verify and i not in verified and i not in deferred for i in idents]
+        for (c, key, _), unseen, ident in zip(run, fresh, idents, strict=True):
+            if not unseen and not (owned and ident in deferred):
                 self._verify_chunk(key, c)
         bufs = [_writable(t) for _, _, t in run]
         first = run[0][0]["start"]
@@ -471,7 +480,9 @@ class TensorReader:
                         host = dst if host_addressable(dst) else host_buffer_for(dst)
                         into = memoryview(host.view(-1).view(torch.uint8).numpy())
                         ident = (c["file"], c["start"], c["end"])
-                        if owned and self.verify and ident not in self._verified:
+                        if owned and ident in self._deferred:  # another rank hashes it
+                            f.read_into(c["start"], into)
+                        elif owned and self.verify and ident not in self._verified:
                             self._compare(key, c, f.read_hash_into(c["start"], into))
                         else:
                             self._verify_chunk(key, c)
