@@ -24,7 +24,8 @@ deletes only what it recognises: staging/trash leftovers (by their markers) and,
 committed ``step-*`` checkpoints that the retention rules do not keep (never the newest).
 
 ROOT, CKPT, A and B may be fsspec URLs (``s3://bucket/prefix``; see ``safeckpt.storage.base``);
-on an object store, leftovers are token-named objects that no manifest names.
+on an object store, leftovers are token-named objects that no manifest names, and the
+extra files an interrupted save's ``.extras.<token>.json`` sidecar lists.
 
 ``rich`` (``pip install 'safeckpt[cli]'``) draws tables and progress bars when the output is a
 terminal; without it, or when piped, output is plain aligned text. Progress bars appear only
