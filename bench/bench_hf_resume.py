@@ -1,4 +1,5 @@
-"""Trainer save and resume time: stock Trainer vs ``with_safeckpt(Trainer)``, same run, 2 ranks.
+"""Trainer save and resume time: stock Trainer vs ``with_safeckpt(Trainer)`` (and with
+``async_save=True``: its save time is what blocks training), same run, 2 ranks.
 
 Usage: python bench/bench_hf_resume.py [--reps 3] [--layers 12] [--hidden 512] [--profile DIR]
 
@@ -12,7 +13,7 @@ Trainer's loop; ``restore_cpu``: the CPU time of that process in it, all threads
 machine inflates less than wall time), and ``to_begin``, from ``train()`` to the first ``on_train_begin`` (adds the
 model wrapping and data loader setup both variants share, so it is noisier). Variants alternate
 within each repetition; before each resume the checkpoint files are read into the page cache (``--cache warm``, default), dropped from it (``cold``) or left as each save left them (``as-saved``: safeckpt drops what it writes, torch.save does not).
-``--profile DIR`` writes a pyinstrument profile of safeckpt's resume per rank.
+``--profile DIR`` writes a pyinstrument profile of safeckpt's resume per rank (DIR/<variant>/).
 """
 
 from __future__ import annotations
@@ -180,11 +181,15 @@ def _worker(rank: int, world: int, port: int, reps: int, layers: int, hidden: in
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rows = []
-    variants = {"stock": Trainer, "safeckpt": with_safeckpt(Trainer)}
+    variants = {"stock": Trainer, "safeckpt": with_safeckpt(Trainer),
+                "safeckpt-async": with_safeckpt(Trainer, async_save=True)}
     for rep in range(reps):
         for name, cls in variants.items():
             out = os.path.join(base, f"{name}-{rep}")
-            r = _trial(cls, out, layers, hidden, profile if name == "safeckpt" and rep == reps - 1 else None,
+            prof_dir = os.path.join(profile, name) if profile and name != "stock" and rep == reps - 1 else None
+            if prof_dir:
+                os.makedirs(prof_dir, exist_ok=True)
+            r = _trial(cls, out, layers, hidden, prof_dir,
                        cache)
             t = torch.tensor([r["save"], r["restore"], r["to_begin"], r["restore_cpu"]], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -241,10 +246,11 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     for r in rows:
         print(json.dumps(r))
+    names = list(dict.fromkeys(r["variant"] for r in rows))
     for what in ("save", "restore", "restore_cpu", "to_begin"):
-        med = {v: statistics.median(r[what] for r in rows if r["variant"] == v) for v in ("stock", "safeckpt")}
-        print(f"{what}: stock {med['stock']:.3f} s, safeckpt {med['safeckpt']:.3f} s "
-              f"(safeckpt/stock {med['safeckpt'] / med['stock']:.2f}x)")
+        med = {v: statistics.median(r[what] for r in rows if r["variant"] == v) for v in names}
+        print(f"{what}: " + ", ".join(f"{v} {med[v]:.3f} s" + (f" ({med[v] / med['stock']:.2f}x)" if v != "stock" else "")
+                                      for v in names))
     sizes = {r["variant"]: r["bytes"] // 2 for r in rows}  # two checkpoints in each run
     print(f"bytes per checkpoint: {sizes}")
     if a.json:
