@@ -183,10 +183,16 @@ def _save_trained(tmp_path) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def trained_load(tmp_path_factory) -> tuple[str, list]:
+    """A saved model + AdamW and one clean 2-rank load of it (what each rank hashed)."""
+    path = _save_trained(tmp_path_factory.mktemp("trained"))
+    return path, dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+
+
 @pytest.mark.timeout(120)
-def test_optimizer_state_read_into_new_tensors_is_hashed_by_one_rank(tmp_path):
-    path = _save_trained(tmp_path)
-    out = dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+def test_optimizer_state_read_into_new_tensors_is_hashed_by_one_rank(trained_load):
+    path, out = trained_load
     assert all(o.ok for o in out), [o.message for o in out]
     a, b = (o.value for o in out)
     assert a["loaded"] and b["loaded"] and a["error"] is None is b["error"]
@@ -197,13 +203,16 @@ def test_optimizer_state_read_into_new_tensors_is_hashed_by_one_rank(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_optimizer_chunk_hashed_by_the_other_rank_still_fails_everywhere(tmp_path, rank):
-    path = _save_trained(tmp_path)
-    clean = dist_harness.run(_load_optim_counting, 2, path, timeout=90)
+def test_optimizer_chunk_hashed_by_the_other_rank_still_fails_everywhere(trained_load, tmp_path, rank):
+    import shutil
+
+    clean_path, clean = trained_load
+    assert all(o.ok for o in clean), [o.message for o in clean]
+    path = str(tmp_path / "ck")
+    shutil.copytree(clean_path, path)
     big = [c for c in _chunks(path) if c[1] - c[0] >= 128 * 64 * 4]
     start, end = next(c for c in big if c in clean[rank].value["hashed"])  # rank `rank` hashes it
-    data = f"{path}/{DATA}"
-    with open(data, "r+b") as f:
+    with open(f"{path}/{DATA}", "r+b") as f:
         f.seek((start + end) // 2)
         b = f.read(1)
         f.seek((start + end) // 2)
