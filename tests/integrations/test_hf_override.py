@@ -6,26 +6,19 @@ One process, tiny Llama, CPU."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import reset_accelerate_state, tiny, training_args
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import hf_tiny as tiny  # noqa: E402
+# isort: split
+import torch
+from transformers import LlamaForCausalLM, Trainer
 
-for _k, _v in tiny.OFFLINE_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
-from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
-
-import safeckpt  # noqa: E402
-from safeckpt.errors import CorruptCheckpoint, IncompatibleCheckpoint  # noqa: E402
-from safeckpt.integrations.hf import with_safeckpt  # noqa: E402
+import safeckpt
+from safeckpt.errors import CorruptCheckpoint, IncompatibleCheckpoint
+from safeckpt.integrations.hf import with_safeckpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,13 +47,9 @@ class Resizing(LlamaForCausalLM):
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():  # noqa: ANN202
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def _model() -> Resizing:
@@ -75,9 +64,7 @@ def _trainer(out: str, model: Resizing, max_steps: int, eval_dataset: object = N
         def on_step_end(self, args, state, control, model=None, **_):  # noqa: ANN001, ANN201
             model.grow(state.global_step)
 
-    args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=2,
-                             save_steps=2, save_strategy="steps", report_to="none", use_cpu=True,
-                             disable_tqdm=True, dataloader_num_workers=0, seed=0, **kw)
+    args = training_args(out, max_steps=max_steps, seed=0, **kw)
     return with_safeckpt(Trainer)(model=model, args=args, train_dataset=tiny.TokenData(16, 1),
                                   eval_dataset=eval_dataset, callbacks=[Grow()])
 

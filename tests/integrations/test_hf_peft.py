@@ -7,20 +7,18 @@ PeftModel; safeckpt saves the trainable tensors and fingerprints of the frozen b
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import (
+    fresh_accelerate_state,  # noqa: F401 - autouse fixture
+    reset_accelerate_state,
+    tiny,
+    training_args,
+)
+
 pytest.importorskip("peft")
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import hf_tiny as tiny  # noqa: E402
-
-for _k, _v in tiny.OFFLINE_ENV.items():
-    os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
@@ -31,19 +29,6 @@ from safeckpt.integrations.hf import with_safeckpt  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-def _reset() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():  # noqa: ANN202
-    yield
-    _reset()
-
-
 def _lora(seed: int = 0):  # noqa: ANN202
     from peft import LoraConfig, get_peft_model
 
@@ -52,9 +37,7 @@ def _lora(seed: int = 0):  # noqa: ANN202
 
 
 def _args(out: str, steps: int) -> TrainingArguments:
-    return TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2,
-                             save_steps=2, save_strategy="steps", report_to="none", use_cpu=True,
-                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    return training_args(out, max_steps=steps, logging_steps=1, seed=0)
 
 
 def _bytes(d: str) -> int:
@@ -65,7 +48,7 @@ def test_lora_checkpoint_is_stock_size_resumes_and_refuses_another_base(tmp_path
     stock = Trainer(model=_lora(), args=_args(str(tmp_path / "stock"), 2),
                     train_dataset=tiny.TokenData(8, 1))
     stock.train()
-    _reset()
+    reset_accelerate_state()
     ours = with_safeckpt(Trainer)(model=_lora(), args=_args(str(tmp_path / "ours"), 2),
                                   train_dataset=tiny.TokenData(8, 1))
     ours.train()
@@ -81,13 +64,13 @@ def test_lora_checkpoint_is_stock_size_resumes_and_refuses_another_base(tmp_path
     assert any("lora_A" in k for k in model_keys) and not any("embed_tokens" in k for k in model_keys)
     assert any("embed_tokens" in k for k in keys if k.startswith("_safeckpt_frozen/"))
 
-    _reset()  # resume onto the same base: continues to step 4
+    reset_accelerate_state()  # resume onto the same base: continues to step 4
     again = with_safeckpt(Trainer)(model=_lora(), args=_args(str(tmp_path / "ours"), 4),
                                    train_dataset=tiny.TokenData(8, 1))
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step == 4
 
-    _reset()  # another base model (seed 1): refused, naming a frozen tensor
+    reset_accelerate_state()  # another base model (seed 1): refused, naming a frozen tensor
     other = with_safeckpt(Trainer)(model=_lora(seed=1), args=_args(str(tmp_path / "ours"), 6),
                                    train_dataset=tiny.TokenData(8, 1))
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match=r"frozen tensor '.*base_model.*' differs"):

@@ -10,45 +10,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import (
+    fresh_accelerate_state,  # noqa: F401 - autouse fixture
+    tiny,
+    training_args,
+)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import hf_tiny as tiny  # noqa: E402
+# isort: split
+import torch
+from transformers import Trainer, TrainingArguments
 
-for _k, _v in tiny.OFFLINE_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-
-import safeckpt  # noqa: E402
-from safeckpt.integrations.hf import SafeckptTrainerMixin, with_safeckpt  # noqa: E402
+import safeckpt
+from safeckpt.integrations.hf import SafeckptTrainerMixin, with_safeckpt
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():  # noqa: ANN202
-    """Accelerate keeps process-wide singletons; leave none behind for other tests."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _args(out: str, **kw: object) -> TrainingArguments:
-    base = dict(output_dir=out, max_steps=2, per_device_train_batch_size=2, save_steps=2,
-                save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1,
-                disable_tqdm=True, dataloader_num_workers=0)
-    base.update(kw)
-    return TrainingArguments(**base)
+    return training_args(out, **{"max_steps": 2, "logging_steps": 1, **kw})
 
 
 def _trainer(out: str, model: object = None, async_save: bool = False, **kw: object) -> Trainer:

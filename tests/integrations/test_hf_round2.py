@@ -7,35 +7,21 @@ Each test here failed before its fix.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import (
+    fresh_accelerate_state,  # noqa: F401 - autouse fixture
+    reset_accelerate_state,
+)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import hf_tiny as tiny  # noqa: E402
+# isort: split
+import torch
 
-for _k, _v in tiny.OFFLINE_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
-
-import safeckpt  # noqa: E402
+import safeckpt
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():  # noqa: ANN202
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _acc(project: str, **kw: object):  # noqa: ANN202
@@ -66,10 +52,7 @@ def test_stateful_dataloader_position_is_saved_and_restored(tmp_path) -> None:
     rest = [b.tolist() for b in it]
     acc.safeckpt_close()
     del acc, dl, it
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     acc, dl = run()
     try:
         acc.load_state()

@@ -9,46 +9,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import warnings
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import (
+    fresh_accelerate_state,  # noqa: F401 - autouse fixture
+    reset_accelerate_state,
+    tiny,
+    training_args,
+)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "scripts"))
-import hf_tiny as tiny  # noqa: E402
+# isort: split
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
-for _k, _v in tiny.OFFLINE_ENV.items():
-    os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
-
-import safeckpt  # noqa: E402
-from safeckpt.integrations.hf import with_safeckpt  # noqa: E402
+import safeckpt
+from safeckpt.integrations.hf import with_safeckpt
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():  # noqa: ANN202
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def _args(out: str, **kw: object) -> TrainingArguments:
-    base = dict(output_dir=out, max_steps=8, per_device_train_batch_size=2, save_steps=2,
-                save_strategy="steps", report_to="none", use_cpu=True, logging_steps=1,
-                disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    base.update(kw)
-    return TrainingArguments(**base)
+    return training_args(out, **{"max_steps": 8, "logging_steps": 1, "seed": 0, **kw})
 
 
 def _scripted(scores: list[float]):  # noqa: ANN202
@@ -61,10 +46,7 @@ def _scripted(scores: list[float]):  # noqa: ANN202
 
 
 def _run(cls: type, out: str, scores: list[float], **kw: object) -> Trainer:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     trainer = cls(model=tiny.model(dropout=0.0), args=_args(out, **kw),
                   train_dataset=tiny.TokenData(16, 1), eval_dataset=tiny.TokenData(2, 2),
                   compute_metrics=_scripted(scores),
@@ -148,18 +130,14 @@ def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path
     _flip_model_byte(os.path.realpath(last))
     assert not safeckpt.verify(last, deep=True).ok
 
-    from accelerate.state import AcceleratorState, GradientState
-
     # the same resume taken directly from checkpoint-2 (a copy), for comparison
     direct = str(tmp_path / "direct")
     shutil.copytree(out, direct)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     d = cls(model=tiny.model(), args=_args(direct, max_steps=6), train_dataset=tiny.TokenData(16, 1))
     d.train(resume_from_checkpoint=os.path.join(direct, "checkpoint-2"))
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     t = cls(model=tiny.model(), args=_args(out, max_steps=6), train_dataset=tiny.TokenData(16, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -176,8 +154,7 @@ def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path
         assert torch.equal(a, b)
     assert os.path.basename(get_last_checkpoint(out)) == "checkpoint-6"
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     t = cls(model=tiny.model(), args=_args(out, max_steps=8), train_dataset=tiny.TokenData(16, 1))
     t.train(resume_from_checkpoint=get_last_checkpoint(out))  # a checkpoint-N path resumes
     assert t.state.global_step == 8
