@@ -43,6 +43,9 @@ import torch.multiprocessing as mp
 import safeckpt
 from safeckpt.coord import dist as _dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.*
+from tests.proc_sockets import open_sockets  # noqa: E402
+
 N_TENSORS = 1000
 ROWS = 64  # rows of each FSDP tensor (sharded over the ranks); DDP tensors have 64 elements
 
@@ -113,16 +116,6 @@ class _DcpCounter:
             setattr(dcp_utils.dist, name, fn)
 
 
-def _sockets() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
-
 def _timed(call: Any) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -139,10 +132,10 @@ def _rank_main(rank: int, world: int, port: int, layout: str, root: str, reps: i
         dist.init_process_group("gloo", rank=rank, world_size=world)
         state = _state(layout, rank, world)
         out: dict[str, list[Any]] = {k: [] for k in ("save", "load", "dcp_save", "dcp_load")}
-        before = _sockets()
+        before = open_sockets()
         safeckpt.save(f"{root}/warm", state, overwrite=True)
         safeckpt.load(f"{root}/warm", state)
-        out["sockets"] = [_sockets() - before]  # what safeckpt's group (and store clients) added
+        out["sockets"] = [open_sockets() - before]  # what safeckpt's group (and store clients) added
         if dcp_reps == reps:  # (large worlds: DCP's calls take minutes; its imports are done)
             dcp.save(state["model"], checkpoint_id=f"{root}/dcp-warm")
             dcp.load(state["model"], checkpoint_id=f"{root}/dcp-warm")
@@ -291,7 +284,6 @@ def constants() -> str:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     # A format-3 manifest of 1,024 ranks x 2,000 FSDP2 tensors, as tests/test_format3 builds it.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.test_format3 import _synthesized
 
     raw, _ = _synthesized(1024, 2000)

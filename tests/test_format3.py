@@ -25,6 +25,7 @@ from safeckpt.format.sharding import Mesh, box_at, overlapping, writes
 from safeckpt.format.tree import Leaf
 from safeckpt.format.v3 import Layout
 from tests import dist_harness
+from tests.proc_sockets import open_sockets
 
 # ----------------------------------------------------------------- synthesized
 
@@ -322,22 +323,12 @@ def test_extra_files_are_committed_with_the_checkpoint_and_verified(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def _sockets() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
-
 def _lazy_group(rank: int, world: int, root: str) -> dict:
-    before = _sockets()
+    before = open_sockets()
     state = {"w": torch.arange(8.0), "rng": safeckpt.RNGState()}
     safeckpt.save(f"{root}/a", state)
     safeckpt.load(f"{root}/a", state)
-    added = _sockets() - before
+    added = open_sockets() - before
     if rank == 5:
         os._exit(3)  # dies before the next save
     err = dist_harness.attempt(lambda: safeckpt.save(f"{root}/b", state))
