@@ -28,7 +28,7 @@ for _k, _v in tiny.OFFLINE_ENV.items():
 if TYPE_CHECKING:
     from transformers import TrainingArguments
 
-__all__ = ["fresh_accelerate_state", "reset_accelerate_state", "tiny", "training_args"]
+__all__ = ["flip_data_byte", "fresh_accelerate_state", "reset_accelerate_state", "tiny", "training_args"]
 
 
 def reset_accelerate_state() -> None:
@@ -55,3 +55,16 @@ def training_args(out: str, **kw: Any) -> TrainingArguments:
                 report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
     base.update(kw)
     return TrainingArguments(**base)
+
+
+def flip_data_byte(ckpt: str) -> None:
+    """Same-size damage: flip the middle byte of the checkpoint's first data file (inside a
+    tensor's bytes, not in the entries a resume reads first)."""
+    data = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+    path = os.path.join(ckpt, data[0])
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -10,7 +10,12 @@ import os
 import pytest
 
 # First: skips this module without transformers or accelerate, sets the offline environment.
-from tests.integrations.hf_testing import reset_accelerate_state, tiny, training_args
+from tests.integrations.hf_testing import (
+    flip_data_byte,
+    reset_accelerate_state,
+    tiny,
+    training_args,
+)
 
 # isort: split
 import torch
@@ -69,17 +74,6 @@ def _trainer(out: str, model: Resizing, max_steps: int, eval_dataset: object = N
                                   eval_dataset=eval_dataset, callbacks=[Grow()])
 
 
-def _flip_data_byte(ckpt: str) -> None:
-    data = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
-    path = os.path.join(ckpt, data[0])
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_resume_calls_the_models_own_load_state_dict_with_verified_weights(tmp_path) -> None:
     out = str(tmp_path / "run")
     _trainer(out, _model(), 4).train()
@@ -105,7 +99,7 @@ def test_resume_calls_the_models_own_load_state_dict_with_verified_weights(tmp_p
     assert t.state.global_step == 6 and model.memory.shape == (8,)
 
     # safeckpt's verification is kept: damaged bytes are refused before the override runs.
-    _flip_data_byte(ckpt)
+    flip_data_byte(ckpt)
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     Resizing.calls = 0

@@ -15,6 +15,7 @@ import pytest
 
 # First: skips this module without transformers or accelerate, sets the offline environment.
 from tests.integrations.hf_testing import (
+    flip_data_byte,
     fresh_accelerate_state,  # noqa: F401 - autouse fixture
     reset_accelerate_state,
     tiny,
@@ -106,14 +107,7 @@ def test_no_private_callback_is_visible(tmp_path) -> None:
 def _flip_model_byte(ckpt: str) -> None:
     """Same-size damage in a model tensor's bytes (not in the entries a resume reads first)."""
     rec = safeckpt.read_state_dict(ckpt)  # noqa: F841 - the checkpoint reads before damage
-    data = [f for f in os.listdir(ckpt) if f.endswith(".safetensors")]
-    path = os.path.join(ckpt, sorted(data)[0])
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_data_byte(ckpt)
 
 
 def test_resume_falls_back_past_damage_anywhere_and_names_match_trainer(tmp_path) -> None:
