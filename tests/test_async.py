@@ -27,8 +27,10 @@ from tests.test_manager import (
     hidden,
     make_state,
     reader_manager,
+    run_killed_job,
     state_step,
     step_dir,
+    wait_for_every_rank,
 )
 
 # ----------------------------------------------------------------- field report 2 (torchrun)
@@ -297,11 +299,7 @@ def _kill_during_background_write(rank, world, root, sync):
 
     sf._write_all = slow_write_all
     mgr.save(2, make_state(2))  # returns at once; the write stalls in the background
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(
-        os.path.exists(os.path.join(sync, f"writing-{r}")) for r in range(world)
-    ):
-        time.sleep(0.01)
+    wait_for_every_rank(sync, "writing", world, 30)
     os.kill(os.getpid(), signal.SIGKILL)
     return "survived"
 
@@ -324,10 +322,7 @@ def _async_retention_after_crash(rank, world, root):
 
 
 def test_kill_during_background_write_then_async_retention(tmp_path):
-    root, sync = tmp_path / "ckpts", tmp_path / "sync"
-    sync.mkdir()
-    out = dist_harness.run(_kill_during_background_write, 2, str(root), str(sync), timeout=90)
-    assert [o.exitcode for o in out] == [-signal.SIGKILL] * 2, [(o.exitcode, o.message) for o in out]
+    root, _ = run_killed_job(_kill_during_background_write, tmp_path)
     # BZ-38: keep_last=1, yet the previous checkpoint is intact and the in-flight one invisible
     ro = reader_manager(root)
     assert [i.step for i in ro.list()] == [1]

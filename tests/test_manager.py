@@ -216,6 +216,25 @@ def test_resume_fallback_and_retention_across_runs(tmp_path):
 
 
 # ------------------------------------------------------------------ crashed run leftovers
+def wait_for_every_rank(sync: str, marker: str, world: int, seconds: float) -> None:
+    """Wait until every rank created ``sync/<marker>-<rank>``, for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(sync, f"{marker}-{r}")) for r in range(world)
+    ):
+        time.sleep(0.01)
+
+
+def run_killed_job(job, tmp_path) -> tuple:
+    """Run ``job(rank, world, root, sync)`` on 2 ranks with a fresh checkpoint root and a marker
+    folder; both ranks must end killed by SIGKILL. Returns ``(root, sync)``."""
+    root, sync = tmp_path / "ckpts", tmp_path / "sync"
+    sync.mkdir()
+    out = dist_harness.run(job, 2, str(root), str(sync), timeout=90)
+    assert [o.exitcode for o in out] == [-signal.SIGKILL] * 2, [(o.exitcode, o.message) for o in out]
+    return root, sync
+
+
 def _crash_mid_write(rank, world, root, sync):
     import safeckpt.format.shardfile as sf
 
@@ -229,11 +248,7 @@ def _crash_mid_write(rank, world, root, sync):
         if calls[0] == 2:  # the header is written; now half of the first tensor, then die
             real(fd, data[: len(data) // 2])
             open(os.path.join(sync, f"writing-{rank}"), "w").close()
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(sync, f"writing-{r}")) for r in range(world)
-            ):
-                time.sleep(0.01)
+            wait_for_every_rank(sync, "writing", world, 20)
             if rank == 0:
                 with open(os.path.join(sync, "pid0"), "w") as f:
                     f.write(str(os.getpid()))
@@ -267,10 +282,7 @@ def _resume_after_crash(rank, world, root):
 
 
 def test_sigkill_mid_write_leftovers_and_dead_lease(tmp_path):
-    root, sync = tmp_path / "ckpts", tmp_path / "sync"
-    sync.mkdir()
-    out = dist_harness.run(_crash_mid_write, 2, str(root), str(sync), timeout=90)
-    assert [o.exitcode for o in out] == [-signal.SIGKILL] * 2, [(o.exitcode, o.message) for o in out]
+    root, sync = run_killed_job(_crash_mid_write, tmp_path)
     staging = [n for n in hidden(root) if ".safeckpt-staging-" in n]
     assert len(staging) == 1 and staging[0].startswith(".step-0000000002"), hidden(root)
     assert sorted(os.listdir(root / staging[0])) == ["rank-00000.safetensors", "rank-00001.safetensors"]
