@@ -281,19 +281,24 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
                 if len(b) != 3:
                     raise _Bad(f"{bwhat} is not [rank, offsets, sizes]")
                 _int(b[0], f"rank of {bwhat}", 0, world - 1)
-                offsets, bsizes = _list(b[1], f"offsets of {bwhat}"), _list(b[2], f"sizes of {bwhat}")
-                if len(offsets) != len(shape) or len(bsizes) != len(shape):
-                    raise _Bad(f"{bwhat} does not have {len(shape)} offsets and sizes")
-                for d, (o, n) in enumerate(zip(offsets, bsizes, strict=True)):
-                    _int(o, f"offset {d} of {bwhat}")
-                    _int(n, f"size {d} of {bwhat}")
-                    if o + n > shape[d]:
-                        raise _Bad(f"{bwhat} reaches {o + n} along dim {d}, past the tensor's {shape[d]}")
-                boxes.append((offsets, bsizes))
+                boxes.append(_check_box(bwhat, shape, b[1], b[2]))
             _check_tiling(what, shape, boxes)
         else:
             raise _Bad(f"{what} is sharded but has neither a sharding nor boxes")
     _check_objects(objects, tensors, world)
+
+
+def _check_box(what: str, shape: list[int], offsets: Any, sizes: Any) -> tuple[list[int], list[int]]:
+    """A box's offsets and sizes: lists of one non-negative int per dimension, inside ``shape``."""
+    offsets, sizes = _list(offsets, f"offsets of {what}"), _list(sizes, f"sizes of {what}")
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        raise _Bad(f"{what} has {len(offsets)}/{len(sizes)} offsets/sizes for a {len(shape)}-d tensor")
+    for d, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        _int(o, f"offset {d} of {what}")
+        _int(n, f"size {d} of {what}")
+        if o + n > shape[d]:
+            raise _Bad(f"{what} reaches {o + n} along dim {d}, past the tensor's {shape[d]}")
+    return offsets, sizes
 
 
 def _check_pieces(what: str, shape: list[int], pieces: Any, world: int) -> None:
@@ -423,15 +428,7 @@ def _check_tensor(key: str, rec: dict[str, Any], files: dict[str, Any], world: i
             raise _Bad(f"{cwhat} points at unknown file {fname!r:.80}")
         start = _int(ch.get("start"), f"start of {cwhat}")
         end = _int(ch.get("end"), f"end of {cwhat}", start, files[fname]["size"])
-        offsets = _list(ch.get("offsets"), f"offsets of {cwhat}")
-        sizes = _list(ch.get("sizes"), f"sizes of {cwhat}")
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise _Bad(f"{cwhat} has {len(offsets)}/{len(sizes)} offsets/sizes for a {len(shape)}-d tensor")
-        for d, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
-            _int(o, f"offset {d} of {cwhat}")
-            _int(n, f"size {d} of {cwhat}")
-            if o + n > shape[d]:
-                raise _Bad(f"{cwhat} reaches {o + n} along dim {d}, past the tensor's {shape[d]}")
+        offsets, sizes = _check_box(cwhat, shape, ch.get("offsets"), ch.get("sizes"))
         if end - start != math.prod(sizes) * size:
             raise _Bad(f"{cwhat} has {end - start} bytes but its box holds {math.prod(sizes) * size}")
         if "xxh3_64" in ch or end > start:
