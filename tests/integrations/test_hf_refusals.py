@@ -172,3 +172,25 @@ def test_accelerate_refusals_and_plain_directory(tmp_path) -> None:
     (tmp_path / "b" / "other" / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(safeckpt.CheckpointExists):
         acc.save_state(str(tmp_path / "b" / "other"))
+
+
+def test_async_save_failure_in_the_background_stops_training(tmp_path, monkeypatch) -> None:
+    """with_safeckpt(..., async_save=True): a save that fails after training went on is not
+    lost silently: the next save raises it, and nothing partial is committed."""
+    import errno
+
+    real_fsync = os.fsync
+
+    def full_disk(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    out = str(tmp_path / "out")
+    trainer = _trainer(out, async_save=True, save_steps=1, max_steps=3)
+    with pytest.raises(safeckpt.CheckpointError, match="No space left on device"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # step 1's save failed in the background; step 2's raised it
+    assert safeckpt.CheckpointManager(out, preemption_signals=()).list() == []
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
