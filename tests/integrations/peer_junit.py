@@ -5,7 +5,23 @@ optional-integration tests that run another project's test suite against safeckp
 from __future__ import annotations
 
 import os
+import socket
 import xml.etree.ElementTree as ET
+
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def reachable(host: str = "github.com", port: int = 443, timeout: float = 5.0) -> bool:
+    """Whether a peer project's sources can be fetched from ``host``: a TCP connect within
+    ``timeout`` (through a proxy, assumed yes). Where the network drops packets to it (CI has
+    only the package registries), a git fetch would wait out its whole timeout instead."""
+    if any(os.environ.get(v) for v in _PROXY_VARS):
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def outcomes(junit: str) -> dict[str, tuple[str, str]]:

@@ -25,6 +25,7 @@ import sys
 import pytest
 
 from tests.integrations.peer_junit import outcomes as _outcomes
+from tests.integrations.peer_junit import reachable
 
 pytest.importorskip("lightning")
 pytest.importorskip("cloudpickle")  # Lightning's test_restore imports it
@@ -85,6 +86,8 @@ def _source(cache: str) -> str | None:
         if os.path.isdir(c) and _git("--git-dir", _gitdir(c), "rev-parse", "--verify", f"{TAG}^{{commit}}").returncode == 0:
             return _gitdir(c)
     target = os.path.join(cache, "lightning.git")
+    if not reachable():
+        return None
     try:
         r = _git("clone", "--bare", "--depth", "1", "--branch", TAG, URL, target, timeout=90)
     except subprocess.TimeoutExpired:

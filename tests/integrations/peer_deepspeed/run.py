@@ -28,10 +28,10 @@ import tempfile
 import time
 
 try:
-    from ..peer_junit import outcomes
+    from ..peer_junit import outcomes, reachable
 except ImportError:  # run as a script
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from peer_junit import outcomes
+    from peer_junit import outcomes, reachable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The newest DeepSpeed history available here (master of 2026-08-22, version.txt 0.19.6):
@@ -73,6 +73,8 @@ def source(cache: str, fetch_timeout: float = 90) -> str | None:
     for c in filter(None, [os.environ.get("SAFECKPT_DEEPSPEED_GIT", ""), MIRROR, target]):
         if os.path.isdir(c) and _git("--git-dir", _gitdir(c), "cat-file", "-e", f"{COMMIT}^{{commit}}").returncode == 0:
             return _gitdir(c)
+    if not reachable():
+        return None
     try:
         if not os.path.isdir(target):
             _git("init", "--bare", "-q", target)
