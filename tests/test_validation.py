@@ -435,3 +435,45 @@ def test_validation_fast_paths_agree_with_the_full_checks(tmp_path, monkeypatch)
     assert fast[0] == "ok" and sum(o != "ok" for o in full) > 500, len(mutants)
     bad = [(i, f, s) for i, (f, s) in enumerate(zip(fast, full, strict=True)) if f != s]
     assert not bad, bad[:5]
+
+
+def _entries_load(rank: int, world: int, path: str) -> dict:
+    """strict="entries" on 2 ranks: the model alone from a training checkpoint; then a model
+    of another shape, which must be refused with model and optimizer untouched."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    safeckpt.load(path, {"model": model}, strict="entries")  # "optim" and "step" left out
+    saved = torch.load(path + ".ref.pt")
+    loaded = torch.equal(model.weight, saved["weight"]) and torch.equal(model.bias, saved["bias"])
+    wide = nn.Linear(8, 5)
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in wide.parameters()]
+    error = ""
+    try:
+        safeckpt.load(path, {"model": wide, "optim": opt}, strict="entries")
+    except safeckpt.IncompatibleCheckpoint as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(wide.parameters(), before, strict=True))
+    return {"loaded": loaded, "error": error, "unchanged": unchanged and not opt.state_dict()["state"]}
+
+
+@pytest.mark.timeout(120)
+def test_strict_entries_loads_a_subset_exactly_and_refuses_before_changing_anything(tmp_path):
+    torch.manual_seed(1)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    path = str(tmp_path / "ck")
+    safeckpt.save(path, {"model": model, "optim": opt, "step": 3})
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path + ".ref.pt")
+    out = dist_harness.run(_entries_load, 2, path, timeout=90)
+    assert all(o.ok for o in out), [o.message for o in out]
+    for o in out:
+        assert o.value["loaded"]
+        assert "does not fit" in o.value["error"] and "model/weight" in o.value["error"], o.value
+        assert "Nothing was loaded" in o.value["error"] and o.value["unchanged"]
+    with pytest.raises(ValueError, match="strict must be"):
+        safeckpt.load(path, {"model": model}, strict="entry")  # type: ignore[arg-type]
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="unexpected entry 'optim'"):
+        safeckpt.load(path, {"model": model, "step": 0})  # strict=True still wants every entry

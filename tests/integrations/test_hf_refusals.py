@@ -79,9 +79,19 @@ def test_a_missing_piece_is_an_error_not_a_skip(tmp_path) -> None:
     other = tiny.model()
     other.model.layers = other.model.layers[:1]  # a model without the second layer's weights
     t = _trainer(str(tmp_path), model=other, max_steps=4)
+    before = {k: v.detach().clone() for k, v in other.state_dict().items()}
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match="cannot resume from") as err:
         t.train(resume_from_checkpoint=True)
     assert "layers.1" in str(err.value)
+    # refused before anything was copied: not even the layers that fit were loaded
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    # the same through load_entries (load_best_model_at_end's load of the model entry alone)
+    from safeckpt.integrations import _hf_common
+
+    ckpt = safeckpt.CheckpointManager(str(tmp_path), preemption_signals=()).latest().path
+    with pytest.raises(safeckpt.IncompatibleCheckpoint, match="(?s)load_best_model_at_end: .*layers.1"):
+        _hf_common.load_entries(ckpt, {"model": other}, timeout=30, where="load_best_model_at_end")
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
 
 def test_per_rank_sigterm_handler_of_trainer_is_refused(tmp_path) -> None:

@@ -215,16 +215,13 @@ def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float |
     """Load only ``state``'s entries from the checkpoint at ``path`` (collective).
 
     A strict load needs every entry of the checkpoint; this one leaves the others out but,
-    unlike ``strict=False`` alone, refuses anything missing or mismatched in the entries asked
-    for (a missing piece is an error, never a skip).
+    unlike ``strict=False``, refuses anything missing or mismatched in the entries asked for (a
+    missing piece is an error, never a skip), before anything is changed.
     """
-    info = load_checkpoint(path, state, strict=False, timeout=timeout)
-    problems = [p for p in info.skipped if not p.startswith("unexpected entry ")]
-    if problems:
-        raise IncompatibleCheckpoint(
-            f"{where}: checkpoint {path} does not fit:\n  " + "\n  ".join(problems[:20])
-        )
-    return info
+    try:
+        return load_checkpoint(path, state, strict="entries", timeout=timeout)
+    except IncompatibleCheckpoint as exc:  # raised in the plan, on every rank: nothing changed
+        raise IncompatibleCheckpoint(f"{where}: {exc}") from exc
 
 
 def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None, where: str,
@@ -258,7 +255,7 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
     return {name: decode(tree, lambda key: None) for name, tree in trees.items()}
 
 
-def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool = True,
+def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool | str = True,
                     timeout: float | None = None) -> Any:
     """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
     (``safeckpt._frozen``) into a live model holding those frozen parameters (collective)."""

@@ -357,23 +357,14 @@ class SafeckptStrategyMixin:
                      LIGHTNING: holder}
         if not as_dict:
             state[MODEL] = _frozen.TrainableView(module, frozenset(live_frozen)) if FROZEN in entries else module
-        left_out = sorted(entries - set(state))
         model_strict = self.lightning_module.strict_loading
         with warnings.catch_warnings():
             # Ranks the saving run did not have get rank 0's Lightning state below.
             warnings.filterwarnings("ignore", message=f"'{LIGHTNING}' is per-rank state", category=SafeckptWarning)
-            info = safeckpt.load(cand["path"], state, strict=model_strict and not left_out,
+            # Strict loading: the model exactly (entries left out here, optimizers and RNG,
+            # come later), checked before anything is changed.
+            info = safeckpt.load(cand["path"], state, strict="entries" if model_strict else False,
                                  timeout=self.checkpoint_timeout)
-        if model_strict and left_out:
-            # Entries deliberately not loaded here (optimizers and RNG come later) are the only
-            # acceptable differences; anything else breaks strict loading.
-            other = [s for s in info.skipped if not any(s.startswith(f"unexpected entry {n!r}") for n in left_out)]
-            if other:
-                raise IncompatibleCheckpoint(
-                    f"checkpoint {cand['path']} does not fit the model (strict loading):\n  "
-                    + "\n  ".join(other[:40])
-                    + "\nSet LightningModule.strict_loading = False to load what fits."
-                )
         rest = holder.value
         if info.world_size < self.world_size:
             # Saved by fewer ranks: new ranks take rank 0's loops/callbacks (as Lightning does).
@@ -409,12 +400,9 @@ class SafeckptStrategyMixin:
         state: dict[str, Any] = {optimizer_name(i): getattr(opt, "_optimizer", opt) for i, opt in enumerate(self.optimizers)}
         if RNG in entries:
             state[RNG] = safeckpt.RNGState()
-        info = safeckpt.load(cand["path"], state, strict=False, timeout=self.checkpoint_timeout)
-        other = [s for s in info.skipped if not s.startswith("unexpected entry")]
-        if other:
-            raise IncompatibleCheckpoint(
-                f"the optimizer state in {cand['path']} does not fit the optimizers:\n  " + "\n  ".join(other[:40])
-            )
+        # Only these entries (the model was loaded before), exactly: a state that does not fit
+        # the optimizers raises IncompatibleCheckpoint before anything is changed.
+        safeckpt.load(cand["path"], state, strict="entries", timeout=self.checkpoint_timeout)
 
 
 class SafeckptDDPStrategy(SafeckptStrategyMixin, DDPStrategy):
