@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 import hf_tiny as tiny  # noqa: E402
 
 from tests import dist_harness  # noqa: E402
-from tests.integrations.test_hf_trainer_deepspeed import _flip, _lock_cleanup  # noqa: E402
+from tests.integrations.test_hf_trainer_deepspeed import _flip, _lock_cleanup, arm_kill  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,23 +49,6 @@ class Progress:
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
-
-
-def _arm_kill() -> None:
-    """Rank 1: the next optimizer partition DeepSpeed writes is cut in half, then SIGKILL."""
-    import torch
-
-    real = torch.save
-
-    def save(obj, f, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if isinstance(f, str) and "optim_states" in f:
-            real(obj, f, *a, **kw)
-            with open(f, "r+b") as fh:
-                fh.truncate(os.path.getsize(f) // 2)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(obj, f, *a, **kw)
-
-    torch.save = save
 
 
 def _train(rank: int, out: str, stage: int, resume: bool, kill: bool, saves: tuple[int, ...],
@@ -113,7 +96,7 @@ def _train(rank: int, out: str, stage: int, resume: bool, kill: bool, saves: tup
         history[progress.step] = (acc.reduce(loss.detach(), "mean").item(), float(model.get_global_grad_norm()))
         if progress.step in saves:
             if kill and progress.step == STEPS and rank == 1:
-                _arm_kill()
+                arm_kill()  # its next optimizer partition
             try:
                 acc.save_state()
             except Exception as exc:  # noqa: BLE001 - rank 0 of the killed save: reported

@@ -42,9 +42,26 @@ def _lock_cleanup() -> None:
         os.remove(lock)
 
 
+def arm_kill(tag: str = "") -> None:
+    """This rank: the next optimizer partition DeepSpeed writes (to a path containing ``tag``)
+    is cut in half, then the process is SIGKILLed."""
+    import torch
+
+    real = torch.save
+
+    def save(obj, f, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if isinstance(f, str) and tag in f and "optim_states" in f:
+            real(obj, f, *a, **kw)
+            with open(f, "r+b") as fh:
+                fh.truncate(os.path.getsize(f) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(obj, f, *a, **kw)
+
+    torch.save = save
+
+
 def _job(rank: int, world: int, out: str, stage: int, resume: bool, kill_at: int | None,
          install: bool = False, steps: int = STEPS) -> dict:
-    import torch
     from transformers import Trainer, TrainingArguments
 
     from safeckpt.integrations.hf import with_safeckpt
@@ -54,18 +71,8 @@ def _job(rank: int, world: int, out: str, stage: int, resume: bool, kill_at: int
 
         install_on_initialize()
 
-    if kill_at is not None and rank == 1:
-        real = torch.save
-
-        def save(obj, f, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-            # SIGKILL rank 1 in the middle of writing its optimizer partition of step kill_at
-            if isinstance(f, str) and f"global_step{kill_at}" in f and "optim_states" in f:
-                real(obj, f, *a, **kw)
-                with open(f, "r+b") as fh:
-                    fh.truncate(os.path.getsize(f) // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(obj, f, *a, **kw)
-        torch.save = save
+    if kill_at is not None and rank == 1:  # in the middle of its optimizer partition of step kill_at
+        arm_kill(f"global_step{kill_at}")
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False}
     args = TrainingArguments(
