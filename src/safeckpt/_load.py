@@ -75,7 +75,8 @@ def load(
     what was left out. ``strict="entries"``: only ``state``'s entries are loaded (the
     checkpoint's other entries are left out, e.g. a model alone from a training checkpoint),
     strictly: an entry missing from the checkpoint, or a key, shape or dtype that differs inside
-    one, raises ``IncompatibleCheckpoint`` before anything is changed. ``verify_checksums=False`` skips checksum verification for speed.
+    one, raises ``IncompatibleCheckpoint`` before anything is changed.
+    ``verify_checksums=False`` skips checksum verification for speed.
     ``storage_options``: the fsspec filesystem's options for a URL ``path``.
     """
     # GC paused for the whole load, as for a save: a load allocates tens of thousands of

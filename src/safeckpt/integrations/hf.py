@@ -148,7 +148,7 @@ class SafeckptTrainerMixin(Trainer):
 
     Class attributes (set them on a subclass or pass them to ``with_safeckpt``):
     ``safeckpt_root`` (default: ``args.output_dir``), ``safeckpt_timeout`` (seconds any rank
-    waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600) and ``safeckpt_frozen``
+    waits for the others; default ``$SAFECKPT_TIMEOUT`` or 600), ``safeckpt_frozen``
     (``"fingerprint"``: frozen parameters, e.g. a PEFT base model, are saved as checksums and
     verified on resume; ``"full"``: saved like the rest) and ``safeckpt_async`` (``True``: a save
     blocks training only while the state is copied aside; the checkpoint is written and
