@@ -1,18 +1,25 @@
 """Trainer save and resume time: stock Trainer vs ``with_safeckpt(Trainer)`` (and with
 ``async_save=True``: its save time is what blocks training), same run, 2 ranks.
 
-Usage: python bench/bench_hf_resume.py [--reps 3] [--layers 12] [--hidden 512] [--profile DIR]
+Usage: python bench/bench_hf_resume.py [--reps 3] [--layers 12] [--hidden 512] [--cache warm]
+                                        [--process new] [--profile DIR] [--json FILE]
 
-Both variants train a tiny-vocabulary Llama (fp32, AdamW) for 1 step, save (timed: the whole
-``_save_checkpoint``, slowest rank), then a new Trainer resumes with
-``train(resume_from_checkpoint=True)``. Two resume times (slowest rank): ``restore``, the time
-spent in the code that finds and reads the checkpoint (Trainer's ``get_last_checkpoint``,
+Each variant trains a tiny-vocabulary Llama (fp32, AdamW) for 1 step on 2 ranks and saves (timed:
+the whole ``_save_checkpoint``, slowest rank); then a new Trainer resumes with
+``train(resume_from_checkpoint=True)``, by default in 2 new processes (``--process new``), as a
+job does after a preemption: its allocations are first touches, as they are in production
+(``--process same`` resumes in the processes that saved, whose heap still holds the pages the
+first Trainer freed). Two resume times (slowest rank): ``restore``, the time spent in the code
+that finds and reads the checkpoint (Trainer's ``get_last_checkpoint``,
 ``TrainerState.load_from_json``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
 ``_load_scaler``, ``_load_rng_state``; for safeckpt also its pick and manifest read before
 Trainer's loop; ``restore_cpu``: the CPU time of that process in it, all threads, which a busy
-machine inflates less than wall time), and ``to_begin``, from ``train()`` to the first ``on_train_begin`` (adds the
-model wrapping and data loader setup both variants share, so it is noisier). Variants alternate
-within each repetition; before each resume the checkpoint files are read into the page cache (``--cache warm``, default), dropped from it (``cold``) or left as each save left them (``as-saved``: safeckpt drops what it writes, torch.save does not).
+machine inflates less than wall time), and ``to_begin``, from ``train()`` to the first
+``on_train_begin`` (adds the model wrapping and data loader setup both variants share, so it is
+noisier). Variants alternate within each repetition (with new processes, who goes first
+alternates too); before each resume the checkpoint files are read into the page cache
+(``--cache warm``, default), dropped from it (``cold``) or left as each save left them
+(``as-saved``: safeckpt drops what it writes, torch.save does not).
 ``--profile DIR`` writes a pyinstrument profile of safeckpt's resume per rank (DIR/<variant>/).
 """
 
@@ -101,14 +108,11 @@ def _set_cache(root: str, *, warm: bool) -> None:
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None,
-           cache: str = "warm") -> dict[str, float]:
-    import torch.distributed as dist
+def _trainer(cls: type, out: str, layers: int, hidden: int, steps: int) -> Any:
     from accelerate.state import AcceleratorState, GradientState
     from transformers import TrainerCallback, TrainingArguments
 
     marks = _MARKS
-    marks.clear()
 
     class Mark(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -120,21 +124,28 @@ def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None,
             super()._save_checkpoint(model, trial)
             marks["save"] = time.perf_counter() - t
 
-    def trainer(steps: int) -> Any:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=1,
-                                 save_strategy="steps", save_steps=1, report_to="none", use_cpu=True,
-                                 disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo",
-                                 logging_steps=100, seed=0)
-        return Timed(model=_model(layers, hidden), args=args, train_dataset=_Data(8), callbacks=[Mark()])
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=1,
+                             save_strategy="steps", save_steps=1, report_to="none", use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo",
+                             logging_steps=100, seed=0)
+    return Timed(model=_model(layers, hidden), args=args, train_dataset=_Data(8), callbacks=[Mark()])
 
-    trainer(1).train()
-    dist.barrier()
-    if cache != "as-saved" and dist.get_rank() == 0:
-        _set_cache(out, warm=cache == "warm")
-    dist.barrier()
-    t2 = trainer(2)
+
+def _save(cls: type, out: str, layers: int, hidden: int) -> float:
+    """Train one step and save it; the time ``_save_checkpoint`` took."""
+    _MARKS.clear()
+    _trainer(cls, out, layers, hidden, 1).train()
+    return _MARKS["save"]
+
+
+def _resume(cls: type, out: str, layers: int, hidden: int, profile: str | None) -> dict[str, float]:
+    """``train(resume_from_checkpoint=True)`` of a new Trainer: restore, restore_cpu, to_begin."""
+    import torch.distributed as dist
+
+    marks = _MARKS
+    t2 = _trainer(cls, out, layers, hidden, 2)
     import transformers.trainer as hf_trainer
     from transformers.trainer_callback import TrainerState
 
@@ -149,7 +160,7 @@ def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None,
     for name in ("resume_candidates", "restore"):  # the pick (older versions: restore)
         if hasattr(CheckpointManager, name):
             timed(CheckpointManager, name)
-    marks.pop("begin", None)
+    marks.clear()
     marks["restore"] = marks["restore_cpu"] = 0.0
     prof = None
     if profile:
@@ -163,50 +174,117 @@ def _trial(cls: type, out: str, layers: int, hidden: int, profile: str | None,
         prof.stop()
         with open(os.path.join(profile, f"resume-rank{dist.get_rank()}.txt"), "w") as f:
             f.write(prof.output_text(unicode=False, color=False, show_all=False))
-    return {"save": marks["save"], "restore": marks["restore"], "restore_cpu": marks["restore_cpu"],
-            "to_begin": marks["begin"] - t0}
+    return {"restore": marks["restore"], "restore_cpu": marks["restore_cpu"], "to_begin": marks["begin"] - t0}
 
 
-def _worker(rank: int, world: int, port: int, reps: int, layers: int, hidden: int,
-            profile: str | None, base: str, q: Any, cache: str) -> None:
+_VARIANT_NAMES = ("stock", "safeckpt", "safeckpt-async")
+
+
+def _variants() -> dict[str, type]:
+    from transformers import Trainer
+
+    from safeckpt.integrations.hf import with_safeckpt
+
+    classes = [Trainer, with_safeckpt(Trainer), with_safeckpt(Trainer, async_save=True)]
+    return dict(zip(_VARIANT_NAMES, classes, strict=True))
+
+
+def _slowest(values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks (every rank gets the list)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _size(out: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+
+
+def _worker(rank: int, world: int, port: int, job: dict[str, Any], q: Any) -> None:
+    """One rank of a job: ``job["what"]`` is "save" or "resume" (one variant, then the process
+    ends: a resume starts in a new process, as after a preemption) or "both" (every variant and
+    repetition, save and resume in the same process)."""
     os.environ.update(ENV)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
-    from transformers import Trainer
-
-    from safeckpt.integrations.hf import with_safeckpt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    rows = []
-    variants = {"stock": Trainer, "safeckpt": with_safeckpt(Trainer),
-                "safeckpt-async": with_safeckpt(Trainer, async_save=True)}
-    for rep in range(reps):
-        for name, cls in variants.items():
-            out = os.path.join(base, f"{name}-{rep}")
-            prof_dir = os.path.join(profile, name) if profile and name != "stock" and rep == reps - 1 else None
-            if prof_dir:
-                os.makedirs(prof_dir, exist_ok=True)
-            r = _trial(cls, out, layers, hidden, prof_dir,
-                       cache)
-            t = torch.tensor([r["save"], r["restore"], r["to_begin"], r["restore_cpu"]], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-                rows.append({"variant": name, "rep": rep, "save": t[0].item(), "restore": t[1].item(),
-                             "to_begin": t[2].item(), "restore_cpu": t[3].item(), "bytes": size})
-                shutil.rmtree(out, ignore_errors=True)
-            dist.barrier()
+    variants = _variants()
+    layers, hidden, what = job["layers"], job["hidden"], job["what"]
+    result: Any = None
+    if what == "save":
+        result = {"save": _slowest([_save(variants[job["variant"]], job["out"], layers, hidden)])[0]}
+    elif what == "resume":
+        r = _resume(variants[job["variant"]], job["out"], layers, hidden, job["profile"])
+        result = dict(zip(("restore", "restore_cpu", "to_begin"),
+                          _slowest([r["restore"], r["restore_cpu"], r["to_begin"]]), strict=True))
+    else:  # both, in this process
+        result = []
+        for rep in range(job["reps"]):
+            for name, cls in variants.items():
+                out = os.path.join(job["base"], f"{name}-{rep}")
+                save = _save(cls, out, layers, hidden)
+                dist.barrier()
+                if job["cache"] != "as-saved" and rank == 0:
+                    _set_cache(out, warm=job["cache"] == "warm")
+                dist.barrier()
+                prof = _profile_dir(job["profile"], name, rep == job["reps"] - 1)
+                r = _resume(cls, out, layers, hidden, prof)
+                vals = _slowest([save, r["restore"], r["to_begin"], r["restore_cpu"]])
+                if rank == 0:
+                    result.append({"variant": name, "rep": rep, "save": vals[0], "restore": vals[1],
+                                   "to_begin": vals[2], "restore_cpu": vals[3], "bytes": _size(out)})
+                    shutil.rmtree(out, ignore_errors=True)
+                dist.barrier()
     if rank == 0:
-        q.put(rows)
+        q.put(result)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _profile_dir(profile: str | None, variant: str, last: bool) -> str | None:
+    if not profile or variant == "stock" or not last:
+        return None
+    d = os.path.join(profile, variant)
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _run_job(job: dict[str, Any]) -> Any:
+    """Run ``job`` on 2 new rank processes; rank 0's result."""
     import multiprocessing as mp
+    import queue
     import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, job, q)) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    while True:
+        try:
+            result = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(not pr.is_alive() and pr.exitcode for pr in procs):
+                for pr in procs:
+                    pr.kill()
+                sys.exit("a worker failed (see its traceback above)")
+    for pr in procs:
+        pr.join(60)
+    return result
+
+
+def main() -> None:
 
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
@@ -217,32 +295,31 @@ def main() -> None:
     p.add_argument("--cache", choices=("warm", "cold", "as-saved"), default="warm",
                    help="page cache before the resume: every checkpoint file read (warm), dropped "
                         "(cold), or as each save left it (safeckpt drops what it writes)")
+    p.add_argument("--process", choices=("new", "same"), default="new",
+                   help="resume in new processes, as after a preemption (default), or in the "
+                        "processes that saved (their heap is warm: fewer first-touch faults)")
     a = p.parse_args()
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     base = tempfile.mkdtemp(prefix="bench-hf-resume-", dir=os.environ.get("BENCH_DIR"))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, a.reps, a.layers, a.hidden, a.profile, base, q, a.cache))
-             for r in range(2)]
-    for pr in procs:
-        pr.start()
-    import queue
-
-    while True:
-        try:
-            rows = q.get(timeout=5)
-            break
-        except queue.Empty:
-            if any(not pr.is_alive() and pr.exitcode for pr in procs):
-                for pr in procs:
-                    pr.kill()
-                sys.exit("a worker failed (see its traceback above)")
-    for pr in procs:
-        pr.join(60)
+    job = {"layers": a.layers, "hidden": a.hidden, "cache": a.cache, "profile": a.profile}
+    if a.process == "same":
+        rows = _run_job({**job, "what": "both", "reps": a.reps, "base": base})
+    else:
+        rows = []
+        names = list(_VARIANT_NAMES)
+        for rep in range(a.reps):
+            for name in names if rep % 2 == 0 else names[::-1]:  # alternate who goes first
+                out = os.path.join(base, f"{name}-{rep}")
+                row = {"variant": name, "rep": rep,
+                       **_run_job({**job, "what": "save", "variant": name, "out": out})}
+                if a.cache != "as-saved":
+                    _set_cache(out, warm=a.cache == "warm")
+                prof = _profile_dir(a.profile, name, rep == a.reps - 1)
+                row.update(_run_job({**job, "what": "resume", "variant": name, "out": out, "profile": prof}))
+                row["bytes"] = _size(out)
+                rows.append(row)
+                shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(base, ignore_errors=True)
     for r in rows:
         print(json.dumps(r))

@@ -22,7 +22,8 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MA
 
 def _resident_pages(t: torch.Tensor) -> int:
     """How many of the pages holding ``t`` are in memory (mincore)."""
-    (start, end), = page_ranges([t])
+    start = t.data_ptr() // PAGE * PAGE
+    end = -(-(t.data_ptr() + t.nbytes) // PAGE) * PAGE
     n = (end - start) // PAGE
     vec = ctypes.create_string_buffer(n)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -137,3 +138,50 @@ def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path, m
     assert started == [True, True]
     assert torch.equal(target["big"][:8], torch.full((8,), 5.0)) and not target["big"][8:].any()
     assert torch.equal(target["small"], torch.full((100,), 3.0))
+
+
+@linux_only
+def test_populate_faults_in_a_fresh_tensor_at_once_keeping_contents():
+    if not _populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    t = _untouched(8 << 20)
+    t[:10].fill_(3.0)
+    _prefault.populate(t)
+    assert _resident_pages(t) == (8 << 20) // PAGE
+    assert torch.equal(t[:10], torch.full((10,), 3.0)) and not t[10:].any()
+    small = _untouched(_prefault.MIN_TENSOR // 2)  # below the size worth a call: left alone
+    _prefault.populate(small)
+    assert _resident_pages(small) == 0
+
+
+class _Holder:
+    """A stateful object: its state is read into new tensors (not copied in place)."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict:
+        return dict(self.tensors)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tensors = dict(sd)
+
+
+def test_new_tensors_of_a_load_are_populated_before_the_read(tmp_path, monkeypatch):
+    import safeckpt._reader
+
+    seen = []
+    real = safeckpt._reader.populate
+
+    def recording(t: torch.Tensor) -> None:
+        seen.append((t.nbytes, t.any().item()))  # still empty when populated: before the read
+        real(t)
+
+    monkeypatch.setattr(safeckpt._reader, "populate", recording)
+    torch.manual_seed(0)
+    saved = {"big": torch.randn(1 << 20), "tiny": torch.randn(10)}
+    safeckpt.save(tmp_path / "ck", {"holder": _Holder(**saved)})
+    holder = _Holder()
+    safeckpt.load(tmp_path / "ck", {"holder": holder})
+    assert torch.equal(holder.tensors["big"], saved["big"]) and torch.equal(holder.tensors["tiny"], saved["tiny"])
+    assert (4 << 20, False) in seen  # the 4 MiB tensor, before any byte was read into it

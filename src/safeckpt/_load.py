@@ -346,7 +346,7 @@ class _LoadJob:
         local = local_position()
         mine, self.shared_skipped = (split_shared(shared, *local) if cache is not None and local
                                      else ([c for c, _ in shared], []))
-        if cache is not None and local:
+        if local:  # this machine's ranks share its cores (with or without checksums)
             reader.threads = read_threads(local[1])
         self.share = {"cache": cache, "local": local, "shared": shared_digest(shared)} if cache else None
         reader.defer(self.shared_skipped)

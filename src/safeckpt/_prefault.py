@@ -124,3 +124,18 @@ class Prefault:
             self.stopping = True
             self.thread.join()
             self.thread = None
+
+
+def populate(t: torch.Tensor) -> None:
+    """Fault in the pages of a fresh CPU tensor of at least MIN_TENSOR bytes now, in one call,
+    before reading into it: a read into pages that do not exist yet takes one fault per 4 KiB
+    inside the copy. Nothing is observable either way (see the module docstring)."""
+    libc = _get_libc()
+    if not libc or t.nbytes < MIN_TENSOR or t.device.type != "cpu":
+        return
+    madvise = libc[0]  # type: ignore[index]
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page  # whole pages inside the tensor only
+    end = (t.data_ptr() + t.nbytes) // page * page
+    if end > start:
+        madvise(start, end - start, MADV_POPULATE_WRITE)  # type: ignore[operator]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ._prefault import populate
 from .errors import CorruptCheckpoint
 from .format.manifest import dtype_size, safe_file_path, torch_dtype
 from .format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
@@ -480,6 +481,8 @@ class TensorReader:
                         host = dst if host_addressable(dst) else host_buffer_for(dst)
                         into = memoryview(host.view(-1).view(torch.uint8).numpy())
                         ident = (c["file"], c["start"], c["end"])
+                        if owned and host is dst:  # new pages: faulted in with one call, not one per 4 KiB
+                            populate(dst)
                         if owned and ident in self._deferred:  # another rank hashes it
                             f.read_into(c["start"], into)
                         elif owned and self.verify and ident not in self._verified:

@@ -41,6 +41,7 @@ from torch import nn
 
 from . import __version__, _extra
 from ._plan import plan_replicated
+from ._prefault import populate
 from ._reader import local_box as _local_box
 from ._reader import placement_of
 from ._staging import PendingCopies, copy_aside
@@ -654,6 +655,7 @@ class SnapshotPool:
             buf = self.by_name.get(name)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
+                populate(buf)  # new pages faulted in with one call, not one per 4 KiB of the copy
             bufs.append(buf)
         self.key, self.bufs = key, bufs
         self.items = [(name, buf) for (name, _), buf in zip(items, bufs, strict=True)]
