@@ -167,3 +167,39 @@ def test_object_store_overwrite_and_retention_leave_no_extra_file_behind():
         assert safeckpt.verify(f"{root}/step-0000000001").ok
         mgr.save(2, _state(2.0), extra_files={"trainer_state.json": _trainer_state(2)})
     assert names(1) == [] and len(names(2)) == 3, (names(1), names(2))
+
+
+def _overwrite_with_failing_extras(rank: int, world: int, ep: str, root: str) -> str | None:
+    opts = s3_harness.options(ep)
+    mgr = safeckpt.CheckpointManager(root, keep_last=None, preemption_signals=(), timeout=15,
+                                     storage_options=opts)
+    mgr.save(1, _state(1.0, rank), extra_files={"trainer_state.json": _trainer_state(1)})
+    mgr.save(2, _state(2.0, rank), extra_files={"trainer_state.json": _trainer_state(2)})
+    if rank == 0:  # the coordinator's extras PUT fails: on an overwrite it comes after the manifest
+        def refused(*_args: object) -> None:
+            raise OSError("injected: PUT refused")
+
+        _commit._put_all = refused
+    try:
+        mgr.save(2, _state(3.0, rank), extra_files={"trainer_state.json": _trainer_state(3)})
+    except safeckpt.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_overwrite_whose_extras_fail_after_the_manifest_says_it_published_an_incomplete_checkpoint(endpoint):
+    root = f"s3://{BUCKET}/late"
+    outs = dist_harness.run(_overwrite_with_failing_extras, 2, endpoint, root, timeout=120)
+    for o in outs:
+        assert o.ok, o.message
+        msg = o.value
+        assert msg is not None, "the save should fail on every rank"
+        # before: the phase's failure hint, "No checkpoint was published; the previous one is intact"
+        assert "was published" in msg and "incomplete" in msg and "No checkpoint was published" not in msg, msg
+    opts = s3_harness.options(endpoint)
+    report = safeckpt.verify(f"{root}/step-0000000002", storage_options=opts)
+    assert not report.ok and any("trainer_state.json" in p for p in report.problems), report.problems
+    outs = dist_harness.run(_resume_and_save_again, 2, endpoint, root, timeout=120)
+    for o in outs:
+        assert o.ok, o.message
+        assert o.value["restored"] == 1, o.value  # the incomplete step 2 is skipped

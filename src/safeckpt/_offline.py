@@ -67,6 +67,7 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
                 if size != rec["size"]:
                     problems.append(f"{name}: {size} bytes, the manifest says {rec['size']} (truncated or replaced)")
             nbytes = sum(int(rec["size"]) for rec in stored["files"].values())
+            problems += _extras(store, ckpt, stored, deep, indexes)
             return VerifyReport(ckpt, not problems, problems, stored.get("step"), nbytes, deep)
         man = open_manifest(ckpt, store)
     except (CheckpointError, OSError) as exc:
@@ -93,8 +94,19 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
         if deep:
             problems += _deep_problems(store, ckpt, name, rec, by_file.get(name, []), progress)
     # files beside the tensors (extra: a framework's own; written: a DeepSpeed engine's): see _extra
-    problems += extra_problems(store, ckpt, man, deep=deep)
+    problems += _extras(store, ckpt, man, deep, indexes)
     return VerifyReport(ckpt, not problems, problems, man.get("step"), nbytes, deep)
+
+
+def _extras(store: Storage, ckpt: str, man: dict[str, Any], deep: bool, indexes: bool) -> list[str]:
+    """Problems of the files beside the tensors (extra: a framework's own; written: a DeepSpeed
+    engine's): see _extra. The manager's pick (``indexes=False``) also checks the checksums of
+    the coordinator's extra files, a few KB each (Trainer's state): an object-store overwrite
+    that failed between its manifest and them leaves the old ones, often of the same size."""
+    out = extra_problems(store, ckpt, man, deep=deep)
+    if not out and not deep and not indexes and man.get("extra"):
+        out = extra_problems(store, ckpt, man, deep=True, names=sorted(man["extra"]))
+    return out
 
 
 MAX_NAMED = 10  # corrupt chunks named per file; the rest are counted

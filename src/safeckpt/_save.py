@@ -184,7 +184,10 @@ class _SaveJob:
             if self.coord.is_coordinator and staging:
                 _commit.discard(self.store, self.target, staging)
             raise
+        incomplete = info.pop("incomplete_error", None)
         after = info.pop("after_commit_error", None)
+        if incomplete is not None:  # published, so the failure hint of the phase would be wrong
+            raise CheckpointError(f"{self.coord.what}: {incomplete}" + (f"; then {after}" if after else ""))
         if after is not None:
             raise CheckpointError(f"{self.coord.what}: {after}. {self.after_commit_hint}".rstrip())
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
@@ -518,10 +521,12 @@ class _SaveJob:
         extras = {safe_extra_name(name): data for name, data in self.extra_files.items()}
         objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
         raw = encode_manifest_text(head, objects, self.plan.tensors_json)
-        _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files,
-                       extras=extras)
+        late = _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files,
+                              extras=extras)
         remember_published(self.store, self.target, head)
         info = self._committed_info(head, files)
+        if late is not None:
+            info["incomplete_error"] = late
         if self.after_commit is not None:
             mark = getattr(self.coord, "mark_done", None)
             if mark is not None:

@@ -156,15 +156,17 @@ def check_written(store: Storage, staging: dict[str, str], written: list[dict[st
 
 
 def commit(store: Storage, target: str, staging: dict[str, str], manifest: bytes, *, overwrite: bool,
-           files: dict[str, Any], extras: Mapping[str, bytes] | None = None) -> None:
+           files: dict[str, Any], extras: Mapping[str, bytes] | None = None) -> str | None:
     """Coordinator: put the ``extras`` (name -> bytes, names already checked) and publish the
     save (the commit point); then drop what it replaced. See the module docstring for where the
-    extras go on each storage."""
+    extras go on each storage. Returns what went wrong after the commit point (an overwrite's
+    extras not put: the published checkpoint is incomplete), None when nothing did; a failure
+    before it raises."""
     extras = dict(extras or {})
     if store.renames:  # inside the staging directory: the rename publishes them with the rest
         _put_all(store, staging["path"], extras)
         _publish(store, staging["path"], target, manifest, overwrite)
-        return
+        return None
     old = manifest_names(store, target) if overwrite else None
     sidecar = store.join(target, extras_name(staging["token"]))
     if extras and old is None:  # nothing committed here that the extras could change
@@ -173,14 +175,22 @@ def commit(store: Storage, target: str, staging: dict[str, str], manifest: bytes
     _publish(store, staging["path"], target, manifest, overwrite)
     # Committed. The sidecar and the replaced checkpoint's objects are garbage now; a failure
     # to delete them leaves leftovers for the next sweep, never an error.
+    late = None
     if old is not None:
-        _put_all(store, target, extras)  # the window the module docstring names
+        try:
+            _put_all(store, target, extras)  # the window the module docstring names
+        except Exception as exc:  # noqa: BLE001 - the manifest landed: report, do not discard
+            late = (f"the checkpoint {target} was published, but putting its extra files "
+                    f"({', '.join(sorted(extras))}) after its manifest failed ({type(exc).__name__}: "
+                    f"{exc}): it is incomplete (verify reports it, restore skips it). Save it again "
+                    "with overwrite=True")
     garbage = sorted((old or set()) - set(files) - set(extras))
     for path in [store.join(target, n) for n in garbage] + ([sidecar] if extras and old is None else []):
         try:
             store.delete(path)
         except Exception:  # noqa: BLE001
             pass
+    return late
 
 
 def _put_all(store: Storage, where: str, extras: Mapping[str, bytes]) -> None:
