@@ -173,8 +173,8 @@ def test_new_tensors_of_a_load_are_populated_before_the_read(tmp_path, monkeypat
     seen = []
     real = safeckpt._reader.populate
 
-    def recording(t: torch.Tensor) -> None:
-        seen.append((t.nbytes, t.any().item()))  # still empty when populated: before the read
+    def recording(t: torch.Tensor) -> None:  # (bytes, whether the saved values are in it yet)
+        seen.append((t.nbytes, t.shape == saved["big"].shape and torch.equal(t, saved["big"])))
         real(t)
 
     monkeypatch.setattr(safeckpt._reader, "populate", recording)
@@ -184,4 +184,4 @@ def test_new_tensors_of_a_load_are_populated_before_the_read(tmp_path, monkeypat
     holder = _Holder()
     safeckpt.load(tmp_path / "ck", {"holder": holder})
     assert torch.equal(holder.tensors["big"], saved["big"]) and torch.equal(holder.tensors["tiny"], saved["tiny"])
-    assert (4 << 20, False) in seen  # the 4 MiB tensor, before any byte was read into it
+    assert (4 << 20, False) in seen  # the 4 MiB tensor, before its bytes were read into it

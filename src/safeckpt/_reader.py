@@ -12,8 +12,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any
 
@@ -36,6 +37,22 @@ READ_THREADS = 4  # at most this many reads and hashes in flight at once on loca
 # state of 4,000 x 16 KiB spent most of its load in per-chunk futures and calls).
 SMALL_CHUNK = min(1 << 20, HASH_BUFFER)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads) -> reader threads
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """Reader threads kept for the process's later loads: starting them cost a small load
+    ~6 ms. Keyed by pid too, as a forked child (a data loader worker) has the object but none
+    of its threads."""
+    key = (os.getpid(), threads)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(threads, thread_name_prefix="safeckpt-read")
+        return pool
 
 
 def read_threads(ranks_on_machine: int = 1) -> int:
@@ -422,9 +439,13 @@ class TensorReader:
             for task in tasks:
                 task()
             return
-        with ThreadPoolExecutor(min(self.threads, len(tasks)), thread_name_prefix="safeckpt-read") as pool:
-            for future in [pool.submit(task) for task in tasks]:
+        pool = _pool(self.threads)
+        futures = [pool.submit(task) for task in tasks]
+        try:
+            for future in futures:
                 future.result()
+        finally:  # a task raised: let the others end before the caller drops their tensors
+            wait(futures)
 
     def _verify_chunk(self, key: str, c: dict[str, Any], window: int = 64 << 20) -> None:
         start, end = c["start"], c["end"]

@@ -164,7 +164,8 @@ def digest_file(path: str, spans: Sequence[tuple[int, int]] = (), progress: Call
     FIFO), each piece hashed into the file's digest and its spans' while in the CPU cache."""
     d = StreamDigest(spans)
     with os.fdopen(open_regular(path, os.path.dirname(path)), "rb", buffering=0) as f:
-        buf = bytearray(block)
+        # no bigger than the file: a small file (a framework's JSON) must not cost 8 MiB of new pages
+        buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))
         view = memoryview(buf)
         while n := f.readinto(buf):
             d.update(view[:n])
