@@ -2,9 +2,9 @@
 ``async_save=True``: its save time is what blocks training), same run, 2 ranks.
 
 Usage: python bench/bench_hf_resume.py [--reps 3] [--layers 12] [--hidden 512] [--cache warm]
-                                        [--process new] [--profile DIR] [--json FILE]
+                                        [--process new] [--ranks 2] [--profile DIR] [--json FILE]
 
-Each variant trains a tiny-vocabulary Llama (fp32, AdamW) for 2 steps on 2 ranks and saves after
+Each variant trains a tiny-vocabulary Llama (fp32, AdamW) for 2 steps on 2 ranks (``--ranks``) and saves after
 each (timed: the whole ``_save_checkpoint``, slowest rank; ``save`` is the first save of the
 process, which allocates what later saves reuse, ``save_next`` the second); then a new Trainer resumes with
 ``train(resume_from_checkpoint=True)``, by default in 2 new processes (``--process new``), as a
@@ -263,7 +263,7 @@ def _profile_dir(profile: str | None, variant: str, last: bool) -> str | None:
 
 
 def _run_job(job: dict[str, Any]) -> Any:
-    """Run ``job`` on 2 new rank processes; rank 0's result."""
+    """Run ``job`` on ``job["ranks"]`` new rank processes; rank 0's result."""
     import multiprocessing as mp
     import queue
     import socket
@@ -273,7 +273,7 @@ def _run_job(job: dict[str, Any]) -> Any:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, job, q)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, job["ranks"], port, job, q)) for r in range(job["ranks"])]
     for pr in procs:
         pr.start()
     while True:
@@ -291,11 +291,11 @@ def _run_job(job: dict[str, Any]) -> Any:
 
 
 def main() -> None:
-
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ranks", type=int, default=2, help="ranks (processes) of each job")
     p.add_argument("--profile", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--cache", choices=("warm", "cold", "as-saved"), default="warm",
@@ -308,7 +308,7 @@ def main() -> None:
     if a.profile:
         os.makedirs(a.profile, exist_ok=True)
     base = tempfile.mkdtemp(prefix="bench-hf-resume-", dir=os.environ.get("BENCH_DIR"))
-    job = {"layers": a.layers, "hidden": a.hidden, "cache": a.cache, "profile": a.profile}
+    job = {"layers": a.layers, "hidden": a.hidden, "cache": a.cache, "profile": a.profile, "ranks": a.ranks}
     if a.process == "same":
         rows = _run_job({**job, "what": "both", "reps": a.reps, "base": base})
     else:

@@ -659,8 +659,10 @@ class SnapshotPool:
         for name, src in items:
             buf = self.by_name.get(name)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=torch.cuda.is_available())
-                populate(buf)  # new pages faulted in with one call, not one per 4 KiB of the copy
+                pinned = torch.cuda.is_available()  # page-locked: its pages exist already
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+                if not pinned:
+                    populate(buf)  # new pages faulted in with one call, not one per 4 KiB of the copy
             bufs.append(buf)
         self.key, self.bufs = key, bufs
         self.items = [(name, buf) for (name, _), buf in zip(items, bufs, strict=True)]
