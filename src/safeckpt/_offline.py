@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._extra import listed as listed_files
 from ._extra import problems as extra_problems
 from ._reader import TensorReader, open_data_file, open_manifest
 from .errors import CheckpointError
@@ -103,10 +104,11 @@ def _extras(store: Storage, ckpt: str, man: dict[str, Any], deep: bool, indexes:
     engine's): see _extra. The manager's pick (``indexes=False``) also checks the checksums of
     the coordinator's extra files, a few KB each (Trainer's state): an object-store overwrite
     that failed between its manifest and them leaves the old ones, often of the same size."""
-    out = extra_problems(store, ckpt, man, deep=deep)
-    if not out and not deep and not indexes and man.get("extra"):
-        out = extra_problems(store, ckpt, man, deep=True, names=sorted(man["extra"]))
-    return out
+    if deep or indexes or not man.get("extra"):
+        return extra_problems(store, ckpt, man, deep=deep)
+    small = set(man["extra"])  # each file stat'ed (or HEAD-requested) once: checksummed or sized
+    return (extra_problems(store, ckpt, man, deep=True, names=sorted(small))
+            + extra_problems(store, ckpt, man, deep=False, names=sorted(set(listed_files(man)) - small)))
 
 
 MAX_NAMED = 10  # corrupt chunks named per file; the rest are counted
