@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_save and tests.dist_harness, also in spawned ranks
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_save and tests.helpers.dist_harness, also in spawned ranks
 
 import torch  # noqa: E402
 from bench_save import GB, MiB, bench_async, machine, med, rng  # noqa: E402
@@ -47,7 +47,7 @@ from load_many import bench_many_sync, verify_async  # noqa: E402
 from load_states import many_tensor_shapes, nbytes_of, random_state, shapes_for_bytes  # noqa: E402
 from load_workers import run_jobs, tiny_job  # noqa: E402
 
-from tests.dist_harness import run as dist_run  # noqa: E402
+from tests.helpers.dist_harness import run as dist_run  # noqa: E402
 
 SECTIONS = {"cold": "A", "warm": "B", "many": "C", "tiny": "D"}
 COLD_METHODS = ["raw", "safeckpt-fresh", "safeckpt-reused", "dcp-fresh", "dcp-reused"]

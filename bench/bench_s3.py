@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import safeckpt
-from safeckpt._reader import open_manifest
+from safeckpt.engine.reader import open_manifest
 from safeckpt.storage.base import storage_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))

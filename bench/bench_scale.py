@@ -44,7 +44,7 @@ import safeckpt
 from safeckpt.coord import dist as _dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.*
-from tests.proc_sockets import open_sockets  # noqa: E402
+from tests.helpers.proc_sockets import open_sockets  # noqa: E402
 
 N_TENSORS = 1000
 ROWS = 64  # rows of each FSDP tensor (sharded over the ranks); DDP tensors have 64 elements

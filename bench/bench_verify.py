@@ -22,12 +22,12 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests.read_counter
+sys.path.insert(0, os.path.dirname(HERE))  # tests.helpers.read_counter
 
 import safeckpt  # noqa: E402
-from safeckpt._offline import verify_on  # noqa: E402
+from safeckpt.engine.offline import verify_on  # noqa: E402
 from safeckpt.storage.base import resolve, storage_for  # noqa: E402
-from tests.read_counter import counting  # noqa: E402
+from tests.helpers.read_counter import counting  # noqa: E402
 
 MiB = 1 << 20
 

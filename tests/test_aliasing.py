@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 
 class TiedLM(nn.Module):

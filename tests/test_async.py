@@ -19,7 +19,7 @@ import torch
 
 import safeckpt
 from safeckpt import CheckpointManager
-from tests import dist_harness
+from tests.helpers import dist_harness
 from tests.test_manager import (
     LOCK,
     assert_all_ok,

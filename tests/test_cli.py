@@ -21,8 +21,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt import cli
-from safeckpt._reader import open_manifest
 from safeckpt.coord.lease import LOCK_NAME, RootLock
+from safeckpt.engine.reader import open_manifest
 
 STAGING = ".step-0000000040.safeckpt-staging-0123abcd"
 TRASH = ".step-0000000005.safeckpt-trash-deadbeef"

@@ -242,8 +242,8 @@ def test_unexpected_exception_is_one_line_naming_a_bug_and_debug_shows_the_trace
     def broken(args, ui):
         return {}["missing-key"]
 
-    make = cli._parser  # (the parser holds each command's function: replace it there)
-    monkeypatch.setattr(cli, "_parser", lambda: _with_func(make(), "inspect", broken))
+    make = cli.app._parser  # (the parser holds each command's function: replace it there)
+    monkeypatch.setattr(cli.app, "_parser", lambda: _with_func(make(), "inspect", broken))
     code, out, err = run(capsys, "inspect", paths["good"])
     assert code == 70 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -403,12 +403,12 @@ PATCHED = (  # cli.main with one command replaced, to raise what no input can (y
     "        os.kill(os.getpid(), signal.SIGINT)\n"
     "        time.sleep(30)\n"
     "    raise TypeError('unsupported operand')\n"
-    "make = cli._parser\n"
+    "make = cli.app._parser\n"
     "def parser():\n"
     "    p = make()\n"
     "    next(a for a in p._actions if a.dest == 'command').choices['inspect'].set_defaults(func=fail)\n"
     "    return p\n"
-    "cli._parser = parser\n"
+    "cli.app._parser = parser\n"
     "sys.exit(cli.main(sys.argv[2:]))\n"
 )
 

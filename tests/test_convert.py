@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import safeckpt
 from safeckpt import convert as _convert
 from safeckpt.convert.consolidate import _pieces
-from tests import dist_harness
+from tests.helpers import dist_harness
 from tests.test_sharded import (
     _fsdp,
     _model,

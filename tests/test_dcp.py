@@ -1,6 +1,6 @@
 """safeckpt.dcp: torch.distributed.checkpoint's dcp.save / async_save / load through safeckpt.
 
-Real DCP, real processes (gloo on 127.0.0.1, hard timeouts from tests.dist_harness). Each
+Real DCP, real processes (gloo on 127.0.0.1, hard timeouts from tests.helpers.dist_harness). Each
 multi-rank run does several things, so the file stays quick on a 2-core machine.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 import safeckpt.dcp  # noqa: E402  (after the skip: needs torch.distributed.checkpoint)

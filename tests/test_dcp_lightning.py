@@ -21,7 +21,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import safeckpt  # noqa: E402
-from tests import dist_harness  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 
 ENV = {"SAFECKPT_TIMEOUT": "30", "PYTHONWARNINGS": "ignore"}
 pytestmark = pytest.mark.timeout(300)

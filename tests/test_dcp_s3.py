@@ -21,7 +21,7 @@ from torch import nn
 
 import safeckpt
 from safeckpt import cli
-from tests import dist_harness, s3_harness
+from tests.helpers import dist_harness, s3_harness
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import is_gloo_teardown_abort
+from tests.helpers.dist_harness import is_gloo_teardown_abort
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -17,7 +17,7 @@ from torch import nn
 
 import safeckpt
 from safeckpt.format.manifest import STAGING_MARK
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 CRASH_TIMEOUT = 60.0  # SAFECKPT_TIMEOUT in crash runs: a dead peer must be seen long before it
 
@@ -115,7 +115,7 @@ def _coordinator_killed_before_publish(rank, world, root):
     path = os.path.join(root, "ck")
     safeckpt.save(path, _state(1.0))
     if rank == 0:
-        from safeckpt import _save
+        from safeckpt.engine import save as _save
         from safeckpt.storage import commit as _commit
 
         def die(*args, **kwargs):

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._reader import open_manifest
-from tests import dist_harness
+from safeckpt.engine.reader import open_manifest
+from tests.helpers import dist_harness
 
 _attempt = dist_harness.attempt
 _leftovers = dist_harness.leftovers

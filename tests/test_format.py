@@ -20,8 +20,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
-from tests import dist_harness
-from tests.manifest_checks import as_format2, assert_canonical
+from tests.helpers import dist_harness
+from tests.helpers.manifest_checks import as_format2, assert_canonical
 
 DATA = "rank-00000.safetensors"
 
@@ -331,7 +331,7 @@ def test_device_destinations_are_read_through_a_host_buffer(tmp_path, monkeypatc
     """Tensors that are not in host memory (CUDA) cannot take a preadv: their chunks are read
     (and for fresh tensors verified) in a host buffer and copied over. No GPU here, so CPU
     tensors stand in for device ones; the path, checks and values are the same."""
-    from safeckpt import _reader
+    from safeckpt.engine import reader as _reader
 
     staged = []
 

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._save import _MeshInfo, _SaveJob
 from safeckpt.coord import dist as _dist
+from safeckpt.engine.save import _MeshInfo, _SaveJob
 from safeckpt.format.manifest import CHECKSUM_FIELD, dtype_size, encode_manifest, parse_manifest
 from safeckpt.format.sharding import Mesh, box_at, overlapping, writes
 from safeckpt.format.tree import Leaf
 from safeckpt.format.v3 import Layout
-from tests import dist_harness
-from tests.proc_sockets import open_sockets
+from tests.helpers import dist_harness
+from tests.helpers.proc_sockets import open_sockets
 
 # ----------------------------------------------------------------- synthesized
 
@@ -304,8 +304,8 @@ def test_uneven_fsdp2_shards_saved_at_3_ranks_load_at_2(tmp_path):
 
 
 def test_extra_files_are_committed_with_the_checkpoint_and_verified(tmp_path):
-    from safeckpt._save import new_job
     from safeckpt.coord.dist import Coordinator
+    from safeckpt.engine.save import new_job
 
     path = str(tmp_path / "ck")
     job = new_job(Coordinator(), path, {"model": _model()}, {}, False, 3, {}, "off")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt import _frozen
+from safeckpt.engine import frozen as _frozen
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """Damaged checkpoints never load silently, crash, hang, read outside, or touch the state (issue 8).
 
-A seeded sample of the mutation fuzzer (:mod:`tests.fuzz_mutants`, :mod:`tests.fuzz_oracle`):
+A seeded sample of the mutation fuzzer (:mod:`tests.helpers.fuzz_mutants`, :mod:`tests.helpers.fuzz_oracle`):
 real checkpoints (one saved by this process, one by 2 gloo ranks with DDP, one by 2 gloo ranks
 with DTensors and extra files; each in format 3 as written now and rewritten in format 2)
 damaged in their manifest (plain and with a recomputed checksum), per-file indexes, data files
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.fuzz_oracle import BAD, CALLS
+from tests.helpers.fuzz_oracle import BAD, CALLS
 from tests.stress.fuzz import example, make_bases, run_fuzz
 
 SEED = 8
@@ -99,8 +99,8 @@ def _forged_rank1_copy(verify_deep_ok: bool, read_diff: str | None) -> dict[str,
     rank 1's per-rank copy of ``rng/numpy/key`` changed, the file checksum recomputed, the
     chunk checksum left as it was. A 1-process read uses rank 0's copy only, so it loads the
     original values; deep verify names the chunk; shallow verify reads no tensor bytes."""
-    from tests.fuzz_mutants import Mutant
-    from tests.fuzz_oracle import classify
+    from tests.helpers.fuzz_mutants import Mutant
+    from tests.helpers.fuzz_oracle import classify
 
     m = Mutant(2018, "fsdp.f2", "forged.data", "rank-00001.safetensors: bytes 3728-8720 of 'rng/numpy/key' changed",
                (), changed=True, forged=True, invalid=True, verify_bad=True)

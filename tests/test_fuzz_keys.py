@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import safeckpt
-from tests.fuzz_bases import first_difference
+from tests.helpers.fuzz_bases import first_difference
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
            torch.int8, torch.uint8, torch.bool]

@@ -19,11 +19,12 @@ PACKAGE = Path(safeckpt.__file__).parent
 
 # Lowest first. A module may import modules of its own layer or of lower layers.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("safeckpt.errors", "safeckpt._settings", "safeckpt._humanize", "safeckpt.retention")),
+    ("base", ("safeckpt.errors", "safeckpt._settings", "safeckpt._humanize", "safeckpt._version",
+              "safeckpt.retention")),
     ("format", ("safeckpt.format",)),
     ("storage", ("safeckpt.storage",)),
     ("coord", ("safeckpt.coord",)),
-    ("engine", ("safeckpt._", "safeckpt.manager", "safeckpt.per_rank", "safeckpt.rng",
+    ("engine", ("safeckpt.engine", "safeckpt.manager", "safeckpt.per_rank", "safeckpt.rng",
                 "safeckpt.dcp", "safeckpt")),
     ("convert", ("safeckpt.convert",)),
     ("cli", ("safeckpt.cli",)),

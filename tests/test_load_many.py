@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt import _reader
-from safeckpt._reader import open_manifest
+from safeckpt.engine import reader as _reader
+from safeckpt.engine.reader import open_manifest
 
 DATA = "rank-00000.safetensors"
 

@@ -19,8 +19,8 @@ import torch
 
 import safeckpt
 from safeckpt import CheckpointLocked, CheckpointManager, CheckpointNotFound, CorruptCheckpoint
-from safeckpt._reader import open_manifest
-from tests import dist_harness
+from safeckpt.engine.reader import open_manifest
+from tests.helpers import dist_harness
 
 LOCK = ".safeckpt.lock"
 KEYS = {"model/w", "model/v", "model/b", "step"}

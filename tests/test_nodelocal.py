@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import safeckpt
-import safeckpt._load
-from safeckpt import _prefault
-from safeckpt._prefault import Prefault, page_ranges
+import safeckpt.engine.load
+from safeckpt.engine import prefault as _prefault
+from safeckpt.engine.prefault import Prefault, page_ranges
 
 PAGE = mmap.PAGESIZE
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
@@ -117,7 +117,7 @@ def test_load_into_untouched_targets_and_failed_load_changes_nothing(tmp_path, m
             super().__init__(tensors)
             started.append(self.thread is not None)
 
-    monkeypatch.setattr(safeckpt._load, "Prefault", Recording)
+    monkeypatch.setattr(safeckpt.engine.load, "Prefault", Recording)
     torch.manual_seed(0)
     state = {"big": torch.randn(10 << 20), "small": torch.randn(100)}  # 40 MiB
     safeckpt.save(tmp_path / "ck", state)
@@ -168,16 +168,16 @@ class _Holder:
 
 
 def test_new_tensors_of_a_load_are_populated_before_the_read(tmp_path, monkeypatch):
-    import safeckpt._reader
+    import safeckpt.engine.reader
 
     seen = []
-    real = safeckpt._reader.populate
+    real = safeckpt.engine.reader.populate
 
     def recording(t: torch.Tensor) -> None:  # (bytes, whether the saved values are in it yet)
         seen.append((t.nbytes, t.shape == saved["big"].shape and torch.equal(t, saved["big"])))
         real(t)
 
-    monkeypatch.setattr(safeckpt._reader, "populate", recording)
+    monkeypatch.setattr(safeckpt.engine.reader, "populate", recording)
     torch.manual_seed(0)
     saved = {"big": torch.randn(1 << 20), "tiny": torch.randn(10)}
     safeckpt.save(tmp_path / "ck", {"holder": _Holder(**saved)})

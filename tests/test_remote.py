@@ -25,7 +25,7 @@ from torch import nn
 
 import safeckpt
 from safeckpt import cli
-from safeckpt._reader import TensorReader, open_manifest
+from safeckpt.engine.reader import TensorReader, open_manifest
 from safeckpt.format.manifest import MANIFEST
 from safeckpt.format.shardfile import write_file
 from safeckpt.storage import commit as _commit
@@ -33,7 +33,7 @@ from safeckpt.storage.base import storage_for
 from safeckpt.storage.catalog import scan
 from safeckpt.storage.fsspec_store import FsspecStorage
 from safeckpt.storage.ranged import RemoteFile
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 PROTO = "objtest"
 

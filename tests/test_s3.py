@@ -24,7 +24,7 @@ import torch
 
 import safeckpt
 from safeckpt import cli
-from tests import dist_harness, s3_harness
+from tests.helpers import dist_harness, s3_harness
 from tests.test_remote import _state
 
 pytest.importorskip("s3fs")

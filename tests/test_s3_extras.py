@@ -21,7 +21,7 @@ import safeckpt
 from safeckpt import cli
 from safeckpt.storage import commit as _commit
 from safeckpt.storage.base import storage_for
-from tests import dist_harness, s3_harness
+from tests.helpers import dist_harness, s3_harness
 from tests.test_remote import _state
 
 pytest.importorskip("s3fs")

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import safeckpt
-from tests import dist_harness
-from tests.manifest_checks import assert_canonical
+from tests.helpers import dist_harness
+from tests.helpers.manifest_checks import assert_canonical
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,7 +101,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wha
 
 
 def _count_reads(log: list[int]) -> None:
-    from safeckpt import _reader
+    from safeckpt.engine import reader as _reader
 
     orig = _reader.TensorReader.close
 

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 import safeckpt
-from tests import dist_harness
-from tests.manifest_checks import assert_canonical
+from tests.helpers import dist_harness
+from tests.helpers.manifest_checks import assert_canonical
 
 
 def _save_load(rank, world, root):

@@ -1,11 +1,11 @@
-"""Copying an async save's tensors aside (src/safeckpt/_staging.py), on CPU (no GPU in CI)."""
+"""Copying an async save's tensors aside (src/safeckpt/engine/staging.py), on CPU (no GPU in CI)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from safeckpt import _staging
+from safeckpt.engine import staging as _staging
 
 
 def _pairs():

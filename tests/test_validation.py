@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 import safeckpt
-from safeckpt._reader import open_manifest
+from safeckpt.engine.reader import open_manifest
 from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
-from tests import dist_harness
-from tests.manifest_checks import as_format2
+from tests.helpers import dist_harness
+from tests.helpers.manifest_checks import as_format2
 
 DATA = "rank-00000.safetensors"
 
@@ -326,7 +326,7 @@ def test_large_edited_manifest_is_refused_before_parsing(ckpt):
 def test_device_fingerprint_detects_any_changed_word():
     """The replica digest used for accelerator tensors (no device-to-host copy of the data) is
     plain torch ops; on CPU here: equal tensors agree, any changed element or dtype view differs."""
-    from safeckpt._save import device_fingerprint
+    from safeckpt.engine.save import device_fingerprint
 
     t = torch.randn(1000, 7)
     base = device_fingerprint(t, block=1024)
@@ -399,7 +399,7 @@ def test_validation_fast_paths_agree_with_the_full_checks(tmp_path, monkeypatch)
     import copy
 
     from safeckpt.format import validate as _validate
-    from tests.fuzz_json import get, value_edits, walk
+    from tests.helpers.fuzz_json import get, value_edits, walk
 
     base = _rich_manifest(tmp_path)
 

@@ -14,13 +14,13 @@ import torch
 import xxhash
 
 import safeckpt
-from safeckpt._offline import verify_on
-from safeckpt._reader import open_manifest
+from safeckpt.engine.offline import verify_on
+from safeckpt.engine.reader import open_manifest
 from safeckpt.format.manifest import CHECKSUM_FIELD, MANIFEST, encode_manifest
 from safeckpt.storage.base import resolve, storage_for
 from safeckpt.storage.digest import StreamDigest
-from tests.manifest_checks import as_format2
-from tests.read_counter import counting
+from tests.helpers.manifest_checks import as_format2
+from tests.helpers.read_counter import counting
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import safeckpt
-from safeckpt._reader import open_manifest
 from safeckpt.coord.verify_split import page_cache_id, shares_complete, split_shared
-from tests import dist_harness
+from safeckpt.engine.reader import open_manifest
+from tests.helpers import dist_harness
 
 DATA = "rank-00000.safetensors"
 
@@ -58,8 +58,8 @@ def _state(seed: int) -> dict:
 def _load_counting(rank: int, world: int, path: str, split_hosts: bool) -> dict:
     """Load into a state of other values; report which chunks this rank hashed, and whether
     the state is the saved one or unchanged."""
-    import safeckpt._load as load_mod
-    import safeckpt._reader as reader
+    import safeckpt.engine.load as load_mod
+    import safeckpt.engine.reader as reader
 
     if split_hosts:  # pretend every rank is on its own machine
         load_mod.page_cache_id = lambda d, r=rank: f"host-{r}"
@@ -151,7 +151,7 @@ def _trained(seed: int, steps: int) -> dict:
 def _load_optim_counting(rank: int, world: int, path: str) -> dict:
     """Load into a fresh model and optimizer (the optimizer's state is read into new tensors):
     which chunks this rank hashed, and whether the state is the saved one or unchanged."""
-    import safeckpt._reader as reader
+    import safeckpt.engine.reader as reader
 
     hashed = []
     orig = reader.TensorReader._compare
@@ -225,7 +225,7 @@ def test_optimizer_chunk_hashed_by_the_other_rank_still_fails_everywhere(trained
 
 
 def test_reader_threads_shrink_with_the_ranks_on_one_machine(monkeypatch):
-    from safeckpt import _reader
+    from safeckpt.engine import reader as _reader
 
     monkeypatch.setattr(_reader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert [_reader.read_threads(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]

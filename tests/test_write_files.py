@@ -16,7 +16,7 @@ import torch
 
 import safeckpt
 from safeckpt import CheckpointManager
-from tests import dist_harness
+from tests.helpers import dist_harness
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,7 +63,7 @@ def _kill_in_write(rank: int, world: int, root: str) -> dict:
 
 
 def _restore_and_check(rank: int, world: int, root: str, names: list[str]) -> dict:
-    from safeckpt._extra import verify_files
+    from safeckpt.engine.extra import verify_files
 
     with CheckpointManager(root, keep_last=None) as mgr:
         state = _state(0)

@@ -7,11 +7,10 @@ Collective calls (every rank calls them identically): :func:`save`, :func:`load`
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from ._load import load
-from ._offline import VerifyReport, read_state_dict, verify
-from ._save import save
+from ._version import __version__
+from .engine.load import load
+from .engine.offline import VerifyReport, read_state_dict, verify
+from .engine.save import save
 from .errors import (
     CheckpointError,
     CheckpointExists,

@@ -76,8 +76,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import __version__
-from ._reader import open_manifest
+from ._version import __version__
+from .engine.reader import open_manifest
 from .errors import (
     PORTABLE_ERRORS,
     CheckpointError,

@@ -18,16 +18,16 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from . import _frozen
-from ._async import AsyncSaver
-from ._extra import WriteFiles
-from ._frozen import check_frozen_mode
-from ._load import load
-from ._offline import verify_on
-from ._save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
 from .coord.dist import Coordinator, resolve_timeout
 from .coord.lease import DEFAULT_LEASE, writer_lease
 from .coord.preempt import PreemptionWatcher
+from .engine import frozen as _frozen
+from .engine.background import AsyncSaver
+from .engine.extra import WriteFiles
+from .engine.frozen import check_frozen_mode
+from .engine.load import load
+from .engine.offline import verify_on
+from .engine.save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
 from .errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -75,7 +75,7 @@ class CheckpointManager:
             restored one, and it may decide to delete the restored one.
         frozen: ``"fingerprint"`` (default): frozen parameters (``requires_grad=False``) of
             modules in the state are saved as fingerprints (xxh3 checksum, shape, dtype) and
-            verified on restore; ``"full"``: saved like the rest (see ``safeckpt._frozen``).
+            verified on restore; ``"full"``: saved like the rest (see ``safeckpt.engine.frozen``).
         dirname: the name pattern of the directories this manager commits, with one ``{step}``
             field: ``"step-{step:010d}"`` (default), ``"checkpoint-{step}"`` (Trainer's),
             ``"checkpoint_{step}"`` (Accelerate's) or another. Restore, retention and the sweep
@@ -266,7 +266,7 @@ class CheckpointManager:
         filesystem only): files each rank writes itself into the checkpoint during the save,
         such as a DeepSpeed engine's own checkpoint; each rank reports (and hashes) the paths it
         returns, they are listed in the manifest and published with the same atomic rename, so a
-        rank killed while writing them leaves nothing visible (see ``safeckpt._extra``)."""
+        rank killed while writing them leaves nothing visible (see ``safeckpt.engine.extra``)."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")

@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import hf_tiny as tiny  # noqa: E402
 
-from tests import dist_harness  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 from tests.integrations.test_hf_trainer_deepspeed import _flip, _lock_cleanup, arm_kill  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

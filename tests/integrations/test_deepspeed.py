@@ -18,8 +18,8 @@ import warnings
 import pytest
 
 import safeckpt
-from safeckpt.integrations import _deepspeed_tags as tags
-from tests import dist_harness
+from safeckpt.integrations._deepspeed import tags
+from tests.helpers import dist_harness
 from tests.integrations import deepspeed_app as app
 
 # find_spec, not importorskip: nothing here imports DeepSpeed before the workers check that
@@ -219,7 +219,7 @@ def _codec_round_trip() -> bool:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from safeckpt.integrations import _deepspeed_codec as codec
+    from safeckpt.integrations._deepspeed import codec
 
     scaler = DynamicLossScaler(2.0**16, 1000, 1.0, 2, False, dtype=torch.float16)
     value = {"s": scaler, "z": ZeroStageEnum.weights, "shape": torch.Size([3, 4]), "b": {"y": 1, "x": 2}}

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 
-from tests import dist_harness
+from tests.helpers import dist_harness
 from tests.integrations import deepspeed_app as app
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")

@@ -86,7 +86,7 @@ def test_a_missing_piece_is_an_error_not_a_skip(tmp_path) -> None:
     # refused before anything was copied: not even the layers that fit were loaded
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     # the same through load_entries (load_best_model_at_end's load of the model entry alone)
-    from safeckpt.integrations import _hf_common
+    from safeckpt.integrations._hf import common as _hf_common
 
     ckpt = safeckpt.CheckpointManager(str(tmp_path), preemption_signals=()).latest().path
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match="(?s)load_best_model_at_end: .*layers.1"):

@@ -70,7 +70,7 @@ class Runs:
 
 
 def _launch(phase: str, base: str) -> tuple[int, str]:
-    from tests.dist_harness import free_port
+    from tests.helpers.dist_harness import free_port
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
@@ -291,7 +291,7 @@ def test_sft_fsdp2_shards_saved_unGathered_and_resume_bit_exact(runs: Runs) -> N
     assert straight["global_step"] == resumed["global_step"] == 6
     assert len(straight["sharded"]) >= 19  # parameters are DTensors (FSDP2)
     ckpt = runs.path("sft_straight", "checkpoint-6")
-    from safeckpt._reader import open_manifest
+    from safeckpt.engine.reader import open_manifest
 
     man = open_manifest(ckpt)  # format 3's chunk records (in per-file indexes), format 2's shape
     model_keys = [k for k in man["tensors"] if k.startswith("model/")]

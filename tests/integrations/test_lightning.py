@@ -17,8 +17,8 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import safeckpt  # noqa: E402
-from safeckpt._reader import open_manifest  # noqa: E402
-from tests import dist_harness  # noqa: E402
+from safeckpt.engine.reader import open_manifest  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 
 ENV = {"SAFECKPT_TIMEOUT": "30", "PYTHONWARNINGS": "ignore"}
 

@@ -15,7 +15,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
-from tests import dist_harness  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 from tests.integrations import lightning_app as app  # noqa: E402
 
 ENV = {"SAFECKPT_TIMEOUT": "30", "PYTHONWARNINGS": "ignore"}
@@ -65,8 +65,8 @@ def _worker(rank: int, world: int, root: str) -> dict:
 
     import safeckpt
     from safeckpt.format import shardfile as _shardfile
-    from safeckpt.integrations import _lightning_resume
     from safeckpt.integrations import lightning as sl
+    from safeckpt.integrations._lightning import resume as _lightning_resume
 
     out: dict = {}
     app.scramble(0)

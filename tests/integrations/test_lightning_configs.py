@@ -135,7 +135,7 @@ def test_configs_round_trip_and_load_from_checkpoint_classmethod(tmp_path):
 
 
 def test_value_codec_unknown_classes_and_refusals(tmp_path):
-    from safeckpt.integrations import _lightning_values as values
+    from safeckpt.integrations._lightning import values
 
     encoded = values.encode({"x": _values()}, "hp")
     assert values.decode(encoded) == {"x": _values()}
@@ -156,7 +156,7 @@ def test_value_codec_unknown_classes_and_refusals(tmp_path):
 
 def test_omegaconf_configs_round_trip(tmp_path):
     omegaconf = pytest.importorskip("omegaconf")
-    from safeckpt.integrations import _lightning_values as values
+    from safeckpt.integrations._lightning import values
 
     cfg = omegaconf.OmegaConf.create({"model": {"lr": 0.1, "layers": [1, 2]}, "ref": "${model.lr}"})
     lst = omegaconf.OmegaConf.create([1, {"a": 2}])

@@ -20,7 +20,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import safeckpt  # noqa: E402
-from tests import dist_harness  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 
 ENV = {"SAFECKPT_TIMEOUT": "30", "PYTHONWARNINGS": "ignore"}
 DIM, RANK_R = 384, 4
@@ -176,7 +176,7 @@ def _scenario(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_lora_like_module_checkpoints_trainable_tensors_and_verifies_the_base(tmp_path):
-    from safeckpt._frozen import ENTRY
+    from safeckpt.engine.frozen import ENTRY
 
     outs = dist_harness.run(_scenario, 2, str(tmp_path), timeout=240, env=ENV)
     for o in outs:

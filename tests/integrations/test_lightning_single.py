@@ -13,7 +13,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import safeckpt  # noqa: E402
-from tests import dist_harness  # noqa: E402
+from tests.helpers import dist_harness  # noqa: E402
 
 
 def _same(a, b, where="") -> list[str]:

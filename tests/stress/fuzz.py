@@ -7,8 +7,8 @@ Reproduce the README's table (>= 5,000 mutants; ~15-40 min on 2 busy cores)::
 It writes two checkpoints per base (an older valid one and a newer one it damages; bases
 ``single``, saved by one process, ``ddp``, saved by 2 gloo ranks with a DDP model, ``fsdp``, by
 2 gloo ranks with DTensors and extra files, each also rewritten in format 2 as ``NAME.f2``), then
-runs each mutant (see :mod:`tests.fuzz_mutants`) against verify, read_state_dict, load,
-restore and list (see :mod:`tests.fuzz_oracle` for the outcomes). The markdown table counts
+runs each mutant (see :mod:`tests.helpers.fuzz_mutants`) against verify, read_state_dict, load,
+restore and list (see :mod:`tests.helpers.fuzz_oracle` for the outcomes). The markdown table counts
 outcomes per mutant class; ``--findings FILE`` also writes, per bad outcome, its count and a
 few concrete reproductions (mutation, call, exception, location). ``--only 17,42`` reruns
 single mutants of the same seed; ``--json FILE`` keeps every result. Exit status 1 if any
@@ -29,11 +29,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tests.fuzz_bases import BASES_VERSION, F2, STEP_A, STEP_B, WRITERS
-from tests.fuzz_mutants import BaseView, generate
-from tests.fuzz_oracle import BAD, CALLS, GOOD
-from tests.fuzz_pool import CANARY, Pool
-from tests.manifest_checks import as_format2
+from tests.helpers.fuzz_bases import BASES_VERSION, F2, STEP_A, STEP_B, WRITERS
+from tests.helpers.fuzz_mutants import BaseView, generate
+from tests.helpers.fuzz_oracle import BAD, CALLS, GOOD
+from tests.helpers.fuzz_pool import CANARY, Pool
+from tests.helpers.manifest_checks import as_format2
 
 
 def make_bases(workdir: str, *, ddp: bool = True, names: Iterable[str] | None = None) -> dict[str, str]:

@@ -387,7 +387,7 @@ class Killer:
 
     # -- steps inside phases
     def _patch_read(self) -> None:
-        from safeckpt import _reader
+        from safeckpt.engine import reader as _reader
 
         killer = self
         cls = _reader.TensorReader
@@ -492,7 +492,8 @@ class Killer:
         """``apply``: entry of the load's apply step (every rank's check passed);
         ``apply-mid``: stateful objects loaded, before the in-place copies; ``apply-after``:
         applied, before the all-reduce that tells whether every rank applied."""
-        from safeckpt import _load, _reader
+        from safeckpt.engine import load as _load
+        from safeckpt.engine import reader as _reader
 
         killer = self
         real = _load._LoadJob.apply
@@ -520,7 +521,7 @@ class Killer:
             _reader.TensorReader.fill_many = fill_many  # type: ignore[method-assign]
 
     def _patch_snapshot(self, after: bool) -> None:
-        from safeckpt import _save
+        from safeckpt.engine import save as _save
 
         killer = self
         real = _save._SaveJob.snapshot

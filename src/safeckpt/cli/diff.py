@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from .. import _humanize as human
-from .._reader import TensorReader, open_manifest
+from ..engine.reader import TensorReader, open_manifest
 from .common import (
     ABSENT,
     EXIT_DIFFERENT,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._reader import Box, TensorReader, open_manifest
+from ..engine.reader import Box, TensorReader, open_manifest
 from ..errors import CheckpointError
 from ..format.manifest import torch_dtype
 from ..storage.base import resolve

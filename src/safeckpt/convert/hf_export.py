@@ -7,7 +7,7 @@ import json
 import os
 import re
 
-from .._reader import TensorReader, open_manifest
+from ..engine.reader import TensorReader, open_manifest
 from ..errors import CheckpointExists
 from ..storage.base import resolve
 from .consolidate import (

@@ -325,7 +325,7 @@ def import_dcp(
     Returns the :class:`CheckpointInfo` of the new checkpoint; ``metadata`` records
     ``imported_from`` plus what is given.
     """
-    from .._save import save
+    from ..engine.save import save
 
     _single_process("import_dcp")
     src = os.path.abspath(os.fspath(src_dir))
@@ -397,7 +397,7 @@ def import_torch_save(
     ``nn.Module`` is stored under ``"model"``; ``entry="name"`` stores the object under that
     one entry. Returns the :class:`CheckpointInfo` of the new checkpoint.
     """
-    from .._save import save
+    from ..engine.save import save
 
     src = os.path.abspath(os.fspath(src_file))
     if not allow_pickle:

@@ -50,8 +50,8 @@ from ..errors import (
     IncompatibleCheckpoint,
     SafeckptWarning,
 )
-from . import _hf_common as common
-from . import _hf_deepspeed as ds
+from ._hf import common
+from ._hf import deepspeed as ds
 
 FORMAT = "safeckpt.accelerate/1"
 

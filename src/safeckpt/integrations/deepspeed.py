@@ -67,15 +67,15 @@ from ..errors import (
     RankMismatch,
     SafeckptWarning,
 )
-from . import _deepspeed_codec as codec
-from ._deepspeed_export import (
+from ._deepspeed import codec
+from ._deepspeed.export import (
     export,
     get_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     main,
     serve_zero_to_fp32,
 )
-from ._deepspeed_tags import (
+from ._deepspeed.tags import (
     OFFLOAD_DIR,
     Coordinator,
     TagInfo,
@@ -177,7 +177,7 @@ class _Plain:
             if self.coord.is_coordinator:
                 if self.tmp is None:
                     raise CheckpointError("rank 0 saved no weights")
-                from ._deepspeed_tags import fsync_dir
+                from ._deepspeed.tags import fsync_dir
 
                 os.replace(self.tmp, self.path)
                 self.tmp = None
@@ -426,7 +426,7 @@ def _save_plain(state_dict: Any, path: str, tmp: str) -> None:
     ``pytorch_model.bin``) what DeepSpeed itself writes there, ``torch.save`` of the weights:
     a file of tensors only, which ``torch.load(path, weights_only=True)`` and Hugging Face's
     ``from_pretrained`` read without unpickling code. safeckpt never reads it back."""
-    from ._deepspeed_tags import fsync_dir
+    from ._deepspeed.tags import fsync_dir
 
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise CheckpointError(f"save_16bit_model: expected a dict of tensors for {path}")

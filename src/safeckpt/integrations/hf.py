@@ -52,8 +52,8 @@ from ..errors import (
     IncompatibleCheckpoint,
     SafeckptWarning,
 )
-from . import _hf_common as common
-from . import _hf_deepspeed as ds
+from ._hf import common
+from ._hf import deepspeed as ds
 
 T = TypeVar("T", bound=type)
 

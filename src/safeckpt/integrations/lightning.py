@@ -44,8 +44,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import safeckpt
-from safeckpt import _frozen
 from safeckpt.coord.dist import Coordinator
+from safeckpt.engine import frozen as _frozen
 from safeckpt.errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -56,7 +56,7 @@ from safeckpt.errors import (
 )
 from safeckpt.format.tree import is_dtensor
 
-from ._lightning_format import (
+from ._lightning.format import (
     FROZEN,
     LIGHTNING,
     MODEL,
@@ -73,9 +73,9 @@ from ._lightning_format import (
     remove,
     step_of,
 )
-from ._lightning_preempt import SafeckptPreemption
-from ._lightning_resume import agree_on_checkpoint
-from ._lightning_values import check_hyperparameters, decode, encode
+from ._lightning.preempt import SafeckptPreemption
+from ._lightning.resume import agree_on_checkpoint
+from ._lightning.values import check_hyperparameters, decode, encode
 
 __all__ = [
     "SafeckptDDPStrategy",
@@ -170,7 +170,7 @@ class SafeckptStrategyMixin:
     loads itself, as with stock PEFT) are checked against the fingerprints on every rank before
     anything is changed (a different base: ``IncompatibleCheckpoint`` naming the tensor) and the
     rest is restored. ``"full"``: frozen parameters are stored like the rest. Sharded (DTensor)
-    parameters are always stored (see ``safeckpt._frozen``).
+    parameters are always stored (see ``safeckpt.engine.frozen``).
     """
 
     def __init__(self, *args: Any, checkpoint_timeout: float | None = None, save_rng: bool = True,

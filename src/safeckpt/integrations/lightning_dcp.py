@@ -42,13 +42,13 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import safeckpt.dcp
-from safeckpt._reader import TensorReader, open_manifest
+from safeckpt.engine.reader import TensorReader, open_manifest
 from safeckpt.errors import CheckpointError
 from safeckpt.format.tree import decode as decode_tree
 
-from ._lightning_values import TYPE
-from ._lightning_values import decode as decode_values
-from ._lightning_values import encode as encode_values
+from ._lightning.values import TYPE
+from ._lightning.values import decode as decode_values
+from ._lightning.values import encode as encode_values
 
 __all__ = ["SafeckptDCPModelParallelStrategy", "read_lightning_state"]
 

@@ -1,6 +1,6 @@
 """Make a checkpoint appear atomically, or not at all: the steps of one save on any storage.
 
-Single-process functions; ``safeckpt._save`` runs each as a collective phase. Only the
+Single-process functions; ``safeckpt.engine.save`` runs each as a collective phase. Only the
 :class:`~safeckpt.storage.base.Storage` interface is used, so the same steps serve a local
 directory and an object store:
 

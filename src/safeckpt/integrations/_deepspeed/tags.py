@@ -33,20 +33,21 @@ from typing import Any
 
 import xxhash
 
-from .. import __version__, verify
-from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
+from ... import verify
+from ..._version import __version__
+from ...errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 
 # safeckpt internals the DeepSpeed integration builds on, imported in this one place only (so
 # a refactor of them breaks one import block): the coordinator and one-process saves, the
 # POSIX commit primitives, leftover sweeping, name checks and file hashing.
-from ..storage.catalog import leftovers, remove_entry  # isort: skip
-from ..coord.dist import Coordinator, resolve_timeout  # isort: skip
-from ..format.manifest import safe_file_path, staging_name  # isort: skip
-from .._save import new_job  # isort: skip
-from ..format.shardfile import hash_file  # isort: skip
-from ..storage.base import resolve  # isort: skip
-from ..storage.posix import fsync_dir, rename_publish, write_bytes_atomic  # isort: skip
-from ..storage.posix import remove_tree as remove_tree  # isort: skip  (re-exported)
+from ...storage.catalog import leftovers, remove_entry  # isort: skip
+from ...coord.dist import Coordinator, resolve_timeout  # isort: skip
+from ...format.manifest import safe_file_path, staging_name  # isort: skip
+from ...engine.save import new_job  # isort: skip
+from ...format.shardfile import hash_file  # isort: skip
+from ...storage.base import resolve  # isort: skip
+from ...storage.posix import fsync_dir, rename_publish, write_bytes_atomic  # isort: skip
+from ...storage.posix import remove_tree as remove_tree  # isort: skip  (re-exported)
 
 INDEX = "safeckpt-deepspeed.json"
 FORMAT = "safeckpt-deepspeed"

@@ -15,7 +15,7 @@ fall back to A (whose values differ from B, so a wrong fallback is visible).
   into plain tensors.
 
 Every base is also fuzzed in format 2 (``NAME.f2``: both checkpoints rewritten by
-``tests.manifest_checks.as_format2``, chunks listed in the manifest), which readers keep reading.
+``tests.helpers.manifest_checks.as_format2``, chunks listed in the manifest), which readers keep reading.
 
 The state covers what users checkpoint: a module with several layers and buffers (an int64
 0-d counter), AdamW after a step, an LR scheduler, ``RNGState``, a plain tensor, and a tree of
@@ -162,7 +162,7 @@ def _ddp_writer(rank: int, world_size: int, root: str) -> None:
 
 def write_ddp(root: str) -> None:
     """The ``ddp`` base: A and B saved by 2 gloo ranks (one spawned run, ~5-10 s)."""
-    from tests import dist_harness
+    from tests.helpers import dist_harness
 
     outcomes = dist_harness.run(_ddp_writer, 2, root, timeout=120)
     bad = [o for o in outcomes if not o.ok]
@@ -171,7 +171,7 @@ def write_ddp(root: str) -> None:
 
 
 def _fsdp_writer(rank: int, world_size: int, root: str) -> None:
-    from safeckpt import _plan
+    from safeckpt.engine import plan as _plan
 
     _plan.MIN_PIECE = 64  # spread replicated rows over both ranks (only tiny tensors here)
     with warnings.catch_warnings():
@@ -187,7 +187,7 @@ def _fsdp_writer(rank: int, world_size: int, root: str) -> None:
 
 def write_fsdp(root: str) -> None:
     """The ``fsdp`` base: A and B saved by 2 gloo ranks with DTensors and extra files."""
-    from tests import dist_harness
+    from tests.helpers import dist_harness
 
     outcomes = dist_harness.run(_fsdp_writer, 2, root, timeout=120)
     bad = [o for o in outcomes if not o.ok]

@@ -8,7 +8,7 @@ section starts) and ``index`` ([start, end, xxh3_64]). :func:`rewrite` rebuilds 
 a new index (and optionally changed data bytes), and updates the manifest's record of it (size,
 xxh3-128, data, index) so that a *forged* mutant is consistent everywhere but in the edit itself.
 
-Generators return what :mod:`tests.fuzz_manifest`'s do (``(desc, manifest, invalid, ops,
+Generators return what :mod:`tests.helpers.fuzz_manifest`'s do (``(desc, manifest, invalid, ops,
 verify_bad)``), or, for the unsigned file-only classes, ``(desc, ops)``.
 """
 
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from tests.fuzz_json import dumps, fmt_path, get, is_leaf, put, value_edits, walk
+from tests.helpers.fuzz_json import dumps, fmt_path, get, is_leaf, put, value_edits, walk
 
 if TYPE_CHECKING:
-    from tests.fuzz_mutants import BaseView
+    from tests.helpers.fuzz_mutants import BaseView
 
 INDEX = "__safeckpt_index__"
 

@@ -1,10 +1,10 @@
 """Manifest mutants: edits of the parsed JSON (values, keys, header, tensors, chunks (format 2),
-placement and layout fields (format 3, from :mod:`tests.fuzz_index`), files, object trees) and
+placement and layout fields (format 3, from :mod:`tests.helpers.fuzz_index`), files, object trees) and
 of its text (duplicate keys, syntax, nesting, size, reformatting).
 
 A parsed-JSON generator returns ``(description, new manifest, invalid[, extra ops])``; a text
 generator returns ``(description, ops, changed)``. ``invalid`` is for forged edits (see
-:mod:`tests.fuzz_mutants`).
+:mod:`tests.helpers.fuzz_mutants`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from tests.fuzz_bases import MANIFEST
-from tests.fuzz_index import g_layout3, g_placement
-from tests.fuzz_json import (
+from tests.helpers.fuzz_bases import MANIFEST
+from tests.helpers.fuzz_index import g_layout3, g_placement
+from tests.helpers.fuzz_json import (
     Path,
     canon,
     dumps,
@@ -33,7 +33,7 @@ from tests.fuzz_json import (
 )
 
 if TYPE_CHECKING:
-    from tests.fuzz_mutants import BaseView
+    from tests.helpers.fuzz_mutants import BaseView
 
 
 # Fields whose change breaks an invariant of the format (for forged edits).
@@ -253,7 +253,7 @@ def g_tensor(rng: random.Random, v: BaseView) -> tuple[str, Any, bool | None] | 
 def _extra_dim3(v: BaseView, man: dict[str, Any], key: str, where: str) -> tuple[Any, ...] | None:
     """Format 3: a trailing dim of size 1 in the shape and in every index entry of the tensor
     (files rebuilt, their records re-signed): consistent."""
-    from tests.fuzz_index import _idx_dumps, rewrite
+    from tests.helpers.fuzz_index import _idx_dumps, rewrite
 
     rec = man["tensors"][key]
     if "alias_of" in rec:

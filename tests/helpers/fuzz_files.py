@@ -15,10 +15,10 @@ import stat
 import struct
 from typing import TYPE_CHECKING, Any
 
-from tests.fuzz_bases import MANIFEST, STEP_A, STEP_B
+from tests.helpers.fuzz_bases import MANIFEST, STEP_A, STEP_B
 
 if TYPE_CHECKING:
-    from tests.fuzz_mutants import BaseView
+    from tests.helpers.fuzz_mutants import BaseView
 
 
 def _data_name(rng: random.Random, v: BaseView) -> str:

@@ -4,7 +4,7 @@ DeepSpeed config; Accelerate uses the save hook and the check, under its tag ``p
 Under DeepSpeed the model, the optimizer (ZeRO partitions, one per rank) and DeepSpeed's LR
 scheduler live inside the engine, and only the engine can save and load them. So a Trainer
 checkpoint is the engine's checkpoint plus Trainer's own state, and the whole of it is one
-safeckpt commit (``CheckpointManager.save(write_files=...)``, see ``safeckpt._extra``):
+safeckpt commit (``CheckpointManager.save(write_files=...)``, see ``safeckpt.engine.extra``):
 
 - save: inside the commit's write phase every rank runs ``engine.save_checkpoint(staging)``
   (DeepSpeed's layout: ``global_stepN/``, ``latest``, its scripts, as stock Trainer writes them
@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._extra import WriteFiles, tree_share, verify_files
-from ..errors import IncompatibleCheckpoint
-from ._hf_common import DeferredRNG, inner_scheduler, load_entries, read_json_entries
+from ...engine.extra import WriteFiles, tree_share, verify_files
+from ...errors import IncompatibleCheckpoint
+from .common import DeferredRNG, inner_scheduler, load_entries, read_json_entries
 
 
 def enabled(trainer: Any) -> bool:
@@ -71,8 +71,8 @@ def check_engine(path: str, *, tags: Sequence[str] = (), timeout: float | None) 
     ``global_stepN``) and every listed file verifies (each rank hashes its share).
     CorruptCheckpoint on every rank otherwise (a resume then falls back);
     IncompatibleCheckpoint if an engine checkpoint is missing."""
-    from .._reader import open_manifest
-    from ..storage.base import resolve, storage_for
+    from ...engine.reader import open_manifest
+    from ...storage.base import resolve, storage_for
 
     ckpt = resolve(path)
     written = open_manifest(ckpt, storage_for(ckpt), full=False).get("written", {})
@@ -115,7 +115,7 @@ def check_and_read(path: str, *, timeout: float | None) -> Resume:
     hashes its share), Trainer's entries are read from the manifest, and every rank's RNG by
     one verified load. CorruptCheckpoint on every rank otherwise (the resume then falls back);
     IncompatibleCheckpoint if the checkpoint holds no engine checkpoint."""
-    from ..storage.base import resolve
+    from ...storage.base import resolve
 
     ckpt = resolve(path)
     head = read_json_entries(ckpt, ("trainer_state", "side_files", "safeckpt", "sampler"),

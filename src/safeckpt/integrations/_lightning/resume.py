@@ -20,13 +20,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 import safeckpt
-from safeckpt._reader import open_manifest
 from safeckpt.coord.dist import Coordinator
+from safeckpt.engine.reader import open_manifest
 from safeckpt.errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
 from safeckpt.storage.catalog import leftovers, remove_entry
 
-from ._lightning_format import norm, refuse_file
-from ._lightning_preempt import SafeckptPreemption
+from .format import norm, refuse_file
+from .preempt import SafeckptPreemption
 
 
 def agree_on_checkpoint(trainer: Trainer, requested: str, timeout: float | None) -> list[dict[str, Any]]:

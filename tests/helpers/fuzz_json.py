@@ -1,7 +1,7 @@
 """JSON helpers for the fuzzer: canonical form, node paths, picking nodes, value edits, forging.
 
 ``forge`` re-signs an edited manifest with safeckpt's own checksum function, so edits reach the
-validation behind the checksum (see :mod:`tests.fuzz_mutants`).
+validation behind the checksum (see :mod:`tests.helpers.fuzz_mutants`).
 """
 
 from __future__ import annotations

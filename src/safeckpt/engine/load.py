@@ -27,21 +27,17 @@ from typing import Any, Literal
 
 import torch
 
-from . import _optim
-from ._prefault import Prefault
-from ._reader import TensorReader, local_box, open_manifest, read_threads
-from ._save import paused_gc
-from .coord.dist import Coordinator, PhaseFailures, describe_exception
-from .coord.verify_split import (
+from ..coord.dist import Coordinator, PhaseFailures, describe_exception
+from ..coord.verify_split import (
     local_position,
     page_cache_id,
     shared_digest,
     shares_complete,
     split_shared,
 )
-from .errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
-from .format.manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
-from .format.tree import (
+from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
+from ..format.manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
+from ..format.tree import (
     KEEP,
     PER_RANK_ATTR,
     SEP,
@@ -56,8 +52,12 @@ from .format.tree import (
     unescape_key,
     unwrap_module,
 )
-from .format.v3 import FORMAT_V3, Layout
-from .storage.base import Storage, resolve, storage_for
+from ..format.v3 import FORMAT_V3, Layout
+from ..storage.base import Storage, resolve, storage_for
+from . import optim as _optim
+from .prefault import Prefault
+from .reader import TensorReader, local_box, open_manifest, read_threads
+from .save import paused_gc
 
 
 def load(

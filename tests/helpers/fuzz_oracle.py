@@ -1,6 +1,6 @@
 """Run one mutant against every public reader and classify the outcome (worker side).
 
-A worker process (driven by :class:`tests.fuzz_pool.Pool`) applies each mutant to a fresh copy
+A worker process (driven by :class:`tests.helpers.fuzz_pool.Pool`) applies each mutant to a fresh copy
 of its base root and calls, in order: ``verify(deep=True)``, ``verify(deep=False)``,
 ``read_state_dict``, strict ``load`` into a fresh state, ``CheckpointManager.restore`` on the
 root (which also holds the older, valid checkpoint), ``CheckpointManager.list`` and the CLI
@@ -44,9 +44,9 @@ import traceback
 import warnings
 from typing import Any
 
-from tests.fuzz_bases import STEP_A, STEP_B, first_difference, fresh_state, snapshot
-from tests.fuzz_files import apply
-from tests.fuzz_mutants import Mutant
+from tests.helpers.fuzz_bases import STEP_A, STEP_B, first_difference, fresh_state, snapshot
+from tests.helpers.fuzz_files import apply
+from tests.helpers.fuzz_mutants import Mutant
 
 BAD = ("SILENT", "NON_CHECKPOINT_ERROR", "STATE_MODIFIED_ON_FAILURE", "VERIFY_OK_BUT_LOAD_FAILS",
        "RESTORE_NO_FALLBACK", "OUTSIDE_READ", "HANG", "MEMORY", "CRASH")

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 TAG = "__safeckpt_deepspeed__"
 

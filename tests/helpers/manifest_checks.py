@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from safeckpt._reader import open_manifest
+from safeckpt.engine.reader import open_manifest
 from safeckpt.format.manifest import CHECKSUM_FIELD, encode_manifest
 
 

@@ -35,8 +35,8 @@ import torch
 import xxhash
 from torch import nn
 
-from .errors import IncompatibleCheckpoint
-from .format.tree import is_dtensor, unwrap_module
+from ..errors import IncompatibleCheckpoint
+from ..format.tree import is_dtensor, unwrap_module
 
 ENTRY = "_safeckpt_frozen"
 MODES = ("fingerprint", "full")
@@ -256,6 +256,6 @@ def copy_back(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> Non
 
 def saved_has_fingerprints(path: str, store: Any) -> bool:
     """Whether the committed checkpoint at ``path`` holds :data:`ENTRY` (reads its manifest)."""
-    from ._reader import open_manifest
+    from .reader import open_manifest
 
     return ENTRY in open_manifest(path, store)["objects"]

@@ -1,6 +1,6 @@
 """Run mutants in a worker process, one at a time, so that no mutant can stall or kill the fuzzer.
 
-The worker (:func:`tests.fuzz_oracle.worker_main`) reports each call before making it; a call
+The worker (:func:`tests.helpers.fuzz_oracle.worker_main`) reports each call before making it; a call
 that does not return within the limit is a HANG (the worker is killed, and whether it was
 blocked or busy on CPU is noted), a worker that dies is a CRASH, and the next mutant gets a
 fresh worker. Every run ends with :data:`CANARY`, which must come back as a blocked HANG.
@@ -14,8 +14,8 @@ import tempfile
 import time
 from typing import Any
 
-from tests.fuzz_mutants import Mutant
-from tests.fuzz_oracle import CALLS, cleanup, mutant_dict, worker_main
+from tests.helpers.fuzz_mutants import Mutant
+from tests.helpers.fuzz_oracle import CALLS, cleanup, mutant_dict, worker_main
 
 CANARY = Mutant(-1, "single", "canary", "the harness itself blocks (opens a FIFO for writing)",
                 (("fifo", "@outside/canary"), ("append", "@outside/canary", b"x")))

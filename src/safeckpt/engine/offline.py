@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from ._extra import listed as listed_files
-from ._extra import problems as extra_problems
-from ._reader import TensorReader, open_data_file, open_manifest
-from .errors import CheckpointError
-from .format.manifest import safe_file_path
-from .format.shardfile import header_problems
-from .format.tree import decode, escape_key
-from .storage.base import Storage, is_remote, resolve, storage_for
+from ..errors import CheckpointError
+from ..format.manifest import safe_file_path
+from ..format.shardfile import header_problems
+from ..format.tree import decode, escape_key
+from ..storage.base import Storage, is_remote, resolve, storage_for
+from .extra import listed as listed_files
+from .extra import problems as extra_problems
+from .reader import TensorReader, open_data_file, open_manifest
 
 
 @dataclass

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from .. import read_state_dict
-from ..convert import consolidate, export_hf
-from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound
-from . import _deepspeed_codec as codec
-from ._deepspeed_tags import INDEX, pick, read_index, remove_tree, save_local
+from ... import read_state_dict
+from ...convert import consolidate, export_hf
+from ...errors import CheckpointError, CheckpointExists, CheckpointNotFound
+from . import codec
+from .tags import INDEX, pick, read_index, remove_tree, save_local
 
 
 def tag_dir_of(src: str | os.PathLike[str], tag: str | None = None) -> str:

@@ -2,9 +2,9 @@
 
 A :class:`Mutant` is data (picklable, reproducible from ``(seed, id)``): a class name for the
 tables, a one-line description, and ``ops``, file operations on a copy of the base root
-(:func:`tests.fuzz_files.apply`). Generators: :mod:`tests.fuzz_manifest` (manifest JSON and
-text), :mod:`tests.fuzz_index` (format 3: per-file indexes, chunk bytes located through them,
-the placement fields) and :mod:`tests.fuzz_files` (data files, directory). Bases come in
+(:func:`tests.helpers.fuzz_files.apply`). Generators: :mod:`tests.helpers.fuzz_manifest` (manifest JSON and
+text), :mod:`tests.helpers.fuzz_index` (format 3: per-file indexes, chunk bytes located through them,
+the placement fields) and :mod:`tests.helpers.fuzz_files` (data files, directory). Bases come in
 format 3 (as written now) and format 2 (``NAME.f2``); a generator that does not apply to a
 base's format returns None and another (base, class) is drawn.
 
@@ -15,7 +15,7 @@ Two families of manifest edits:
 - ``forged.*``: the same edits with the manifest checksum recomputed (a buggy writer, another
   tool), so the checks behind the checksum are exercised too; ``forged.index`` and
   ``forged.data`` edit a format-3 file's index or chunk bytes and recompute every checksum over
-  them (index, file, manifest; :mod:`tests.fuzz_index`). ``invalid`` says whether the
+  them (index, file, manifest; :mod:`tests.helpers.fuzz_index`). ``invalid`` says whether the
   edit breaks an invariant of the format (a load that succeeds is then SILENT); ``False`` means
   a consistent alternative checkpoint (loading it is fine), ``None`` that it depends.
 """
@@ -30,11 +30,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.fuzz_bases import MANIFEST, STEP_A, STEP_B
-from tests.fuzz_files import DATA_KINDS, DIR_KINDS, g_data, g_dir
-from tests.fuzz_index import g_chunk_bytes, g_forged_data, g_index, g_index_plain, read_index
-from tests.fuzz_json import canon, dumps, forge
-from tests.fuzz_manifest import (
+from tests.helpers.fuzz_bases import MANIFEST, STEP_A, STEP_B
+from tests.helpers.fuzz_files import DATA_KINDS, DIR_KINDS, g_data, g_dir
+from tests.helpers.fuzz_index import (
+    g_chunk_bytes,
+    g_forged_data,
+    g_index,
+    g_index_plain,
+    read_index,
+)
+from tests.helpers.fuzz_json import canon, dumps, forge
+from tests.helpers.fuzz_manifest import (
     MANIFEST_GENS,
     changed_from,
     g_benign,

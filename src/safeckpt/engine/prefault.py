@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .format.tree import is_dtensor, local_of
+from ..format.tree import is_dtensor, local_of
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 MIN_BYTES = 16 << 20  # below this the thread costs more than the faults

@@ -21,10 +21,10 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import CheckpointError, CorruptCheckpoint
-from .format.manifest import is_written_name, written_file_path
-from .format.shardfile import hash_file
-from .storage.base import Storage
+from ..errors import CheckpointError, CorruptCheckpoint
+from ..format.manifest import is_written_name, written_file_path
+from ..format.shardfile import hash_file
+from ..storage.base import Storage
 
 WriteFiles = Callable[[str], Iterable[str]]
 """``write_files(staging_dir) -> relative paths``: runs on every rank inside a save's write
@@ -147,9 +147,9 @@ def verify_files(path: str, names: Iterable[str] | None = None, *, timeout: floa
     at ``path`` before reading them with another reader (a DeepSpeed engine's own load). Every
     rank checks its share (size and xxh3-128, streamed), so the files are read once in all;
     damage anywhere raises CorruptCheckpoint on every rank (a resume then falls back together)."""
-    from ._reader import open_manifest
-    from .coord.dist import Coordinator
-    from .storage.base import resolve, storage_for
+    from ..coord.dist import Coordinator
+    from ..storage.base import resolve, storage_for
+    from .reader import open_manifest
 
     ckpt = resolve(path)
     coord = Coordinator(timeout, what=f"check of the files of {ckpt}")

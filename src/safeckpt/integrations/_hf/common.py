@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
-from ..rng import RNGState
+from ...errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
+from ...rng import RNGState
 
 TRAINER_DIRNAME = "checkpoint-{step}"     # transformers' PREFIX_CHECKPOINT_DIR + "-N"
 ACCELERATE_DIRNAME = "checkpoint_{step}"  # accelerate's save_state(automatic_checkpoint_naming)
@@ -28,7 +28,7 @@ ACCELERATE_DIRNAME = "checkpoint_{step}"  # accelerate's save_state(automatic_ch
 
 def step_dir(root: str, step: int, dirname: str | None = None) -> str:
     """Where a CheckpointManager under ``root`` with ``dirname`` commits ``step``."""
-    from ..storage.catalog import step_dirname
+    from ...storage.catalog import step_dirname
 
     return os.path.join(root, step_dirname(step, dirname))
 
@@ -50,7 +50,7 @@ def share_from_rank0(fn: Callable[[], Any]) -> Any:
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
         return fn()
-    from ..coord.dist import Coordinator
+    from ...coord.dist import Coordinator
 
     local: list[Exception] = []
 
@@ -231,10 +231,10 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
     Raises on every rank: CheckpointNotFound or CorruptCheckpoint (the checkpoint's fault),
     IncompatibleCheckpoint (an entry missing, or holding tensors). ``optional`` entries are
     read when the checkpoint has them."""
-    from .._reader import open_manifest
-    from ..coord.dist import Coordinator
-    from ..format.tree import decode, tensor_keys
-    from ..storage.base import resolve, storage_for
+    from ...coord.dist import Coordinator
+    from ...engine.reader import open_manifest
+    from ...format.tree import decode, tensor_keys
+    from ...storage.base import resolve, storage_for
 
     ckpt = resolve(path)
 
@@ -258,9 +258,10 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
 def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool | str = True,
                     timeout: float | None = None) -> Any:
     """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
-    (``safeckpt._frozen``) into a live model holding those frozen parameters (collective)."""
-    from .. import _frozen, load
-    from ..storage.base import storage_for
+    (``safeckpt.engine.frozen``) into a live model holding those frozen parameters (collective)."""
+    from ... import load
+    from ...engine import frozen as _frozen
+    from ...storage.base import storage_for
 
     target = None
     if _frozen.has_frozen(state):
@@ -278,10 +279,10 @@ def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | Non
     """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective);
     ``extra_files`` (rank 0's) and the files ``write_files`` makes every rank write (a
     DeepSpeed engine's) are committed inside the checkpoint (as ``CheckpointManager.save``)."""
-    from .. import _frozen
-    from .._save import new_job, safe_extra_name
-    from ..coord.dist import Coordinator
-    from ..storage.base import resolve, storage_for
+    from ...coord.dist import Coordinator
+    from ...engine import frozen as _frozen
+    from ...engine.save import new_job, safe_extra_name
+    from ...storage.base import resolve, storage_for
 
     target = resolve(path)
     extra = {safe_extra_name(k): bytes(v) for k, v in (extra_files or {}).items()}
@@ -297,7 +298,7 @@ def overrides_load_state_dict(model: Any) -> bool:
     """The (unwrapped) model defines its own ``load_state_dict`` (e.g. to accept a resized
     buffer), which Trainer calls with the loaded weights, and nothing in it is sharded (the
     override needs full tensors on every rank)."""
-    from ..format.tree import unwrap_module
+    from ...format.tree import unwrap_module
 
     inner = unwrap_module(model)
     return (type(inner).load_state_dict is not torch.nn.Module.load_state_dict
@@ -307,11 +308,11 @@ def overrides_load_state_dict(model: Any) -> bool:
 def read_entry_tensors(path: str, entry: str) -> tuple[Any, Any]:
     """This rank reads the checkpoint's ``entry`` alone, every chunk checked against its
     checksum (``CorruptCheckpoint`` otherwise), plus the frozen-parameter fingerprints if the
-    checkpoint holds them (``safeckpt._frozen``): ``(state, fingerprints or None)``."""
-    from .. import _frozen
-    from .._reader import TensorReader, open_manifest
-    from ..format.tree import decode
-    from ..storage.base import resolve, storage_for
+    checkpoint holds them (``safeckpt.engine.frozen``): ``(state, fingerprints or None)``."""
+    from ...engine import frozen as _frozen
+    from ...engine.reader import TensorReader, open_manifest
+    from ...format.tree import decode
+    from ...storage.base import resolve, storage_for
 
     ckpt = resolve(path)
     store = storage_for(ckpt)
@@ -333,8 +334,8 @@ def load_through_override(model: Any, path: str, entry: str, sd: Mapping[str, An
     safeckpt's checks around it: frozen parameters saved as fingerprints are verified against the
     live ones and passed in as they are; missing or unexpected keys the override reports are
     refused (Trainer only warns)."""
-    from .. import _frozen
-    from ..format.tree import unwrap_module
+    from ...engine import frozen as _frozen
+    from ...format.tree import unwrap_module
 
     inner = unwrap_module(model)
     sd = dict(sd)
@@ -371,7 +372,7 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         local = exc
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from ..coord.dist import Coordinator
+        from ...coord.dist import Coordinator
 
         # on safeckpt's own group, as JSON (never the job's group, never pickle)
         error = None if local is None else [f"{type(local).__name__}: {local}",
@@ -391,7 +392,7 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
 
 def read_hook_files(directory: str, where: str) -> dict[str, bytes]:
     """The plain files a user hook wrote into ``directory``, as extra files of a checkpoint."""
-    from .._save import safe_extra_name
+    from ...engine.save import safe_extra_name
 
     out: dict[str, bytes] = {}
     for name in sorted(os.listdir(directory)):
@@ -425,8 +426,8 @@ def export_pretrained(model: Any, out_dir: str, *, timeout: float | None,
     shards plus index) in bounded memory, ``write_extras(out_dir)`` adds config and tokenizer,
     and the hidden checkpoint is removed. Returns the weight files written.
     """
-    from .. import save
-    from ..convert import export_hf
+    from ... import save
+    from ...convert import export_hf
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     parent = os.path.dirname(out_dir)

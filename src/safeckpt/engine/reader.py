@@ -21,14 +21,14 @@ from typing import Any
 import torch
 import xxhash
 
-from ._prefault import populate
-from .errors import CorruptCheckpoint
-from .format.manifest import dtype_size, safe_file_path, torch_dtype
-from .format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
-from .format.sharding import box_at, dims_of
-from .format.tree import is_dtensor, local_of
-from .format.v3 import FORMAT_V3, Layout
-from .storage.base import Storage, storage_for
+from ..errors import CorruptCheckpoint
+from ..format.manifest import dtype_size, safe_file_path, torch_dtype
+from ..format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
+from ..format.sharding import box_at, dims_of
+from ..format.tree import is_dtensor, local_of
+from ..format.v3 import FORMAT_V3, Layout
+from ..storage.base import Storage, storage_for
+from .prefault import populate
 
 Box = list[list[int]]  # [offsets, sizes]
 READ_THREADS = 4  # at most this many reads and hashes in flight at once on local files

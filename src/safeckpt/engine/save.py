@@ -39,24 +39,25 @@ import torch
 import xxhash
 from torch import nn
 
-from . import __version__, _extra
-from ._plan import plan_replicated
-from ._prefault import populate
-from ._reader import local_box as _local_box
-from ._reader import placement_of
-from ._staging import PendingCopies, copy_aside
-from .coord.dist import Coordinator
-from .errors import CheckpointError, RankMismatch
-from .format.fileindex import IndexBuilder
-from .format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
-from .format.manifest_text import dumps as manifest_dumps
-from .format.manifest_text import encode as encode_manifest_text
-from .format.shardfile import tensor_bytes
-from .format.sharding import Mesh, box_at, dims_of, mesh_record, writes
-from .format.tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
-from .storage import commit as _commit
-from .storage.base import Storage, resolve, storage_for
-from .storage.catalog import remember_published
+from .._version import __version__
+from ..coord.dist import Coordinator
+from ..errors import CheckpointError, RankMismatch
+from ..format.fileindex import IndexBuilder
+from ..format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
+from ..format.manifest_text import dumps as manifest_dumps
+from ..format.manifest_text import encode as encode_manifest_text
+from ..format.shardfile import tensor_bytes
+from ..format.sharding import Mesh, box_at, dims_of, mesh_record, writes
+from ..format.tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
+from ..storage import commit as _commit
+from ..storage.base import Storage, resolve, storage_for
+from ..storage.catalog import remember_published
+from . import extra as _extra
+from .plan import plan_replicated
+from .prefault import populate
+from .reader import local_box as _local_box
+from .reader import placement_of
+from .staging import PendingCopies, copy_aside
 
 CHECK_REPLICAS = ("auto", "error", "warn", "off")
 
@@ -334,7 +335,7 @@ class _SaveJob:
                                      hint="Nothing was written.")
         import warnings
 
-        from .errors import SafeckptWarning
+        from ..errors import SafeckptWarning
 
         warnings.warn(decision["warning"], SafeckptWarning, stacklevel=4)
         return decision
@@ -589,7 +590,7 @@ class _Plan(NamedTuple):
 
 def safe_extra_name(name: str) -> str:
     """An extra file's name, refused unless it is a plain file name that is not one of ours."""
-    from .format.manifest import MANIFEST, is_staging_name
+    from ..format.manifest import MANIFEST, is_staging_name
 
     if (not isinstance(name, str) or not _EXTRA_NAME.match(name) or name == MANIFEST
             or name.startswith("rank-") or is_staging_name(name)):

@@ -17,12 +17,12 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 import safeckpt
-from safeckpt import _frozen
+from safeckpt.engine import frozen as _frozen
 from safeckpt.errors import CheckpointNotFound, IncompatibleCheckpoint
 from safeckpt.storage.base import is_remote
 from safeckpt.storage.catalog import Entry, remove_entry
 
-from ._lightning_values import decode
+from .values import decode
 
 MODEL = "model"
 LIGHTNING = "lightning"
@@ -178,7 +178,7 @@ def is_lightning_checkpoint(path: Any) -> bool:
         return False
     if not is_remote(p) and not os.path.isdir(p):
         return False
-    from safeckpt._reader import open_manifest
+    from safeckpt.engine.reader import open_manifest
 
     try:
         open_manifest(p, full=False)

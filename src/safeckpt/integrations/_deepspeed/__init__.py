@@ -1,0 +1,1 @@
+"""Private helpers of the DeepSpeed integration (``safeckpt.integrations.deepspeed``)."""

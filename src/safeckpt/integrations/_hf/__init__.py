@@ -1,0 +1,1 @@
+"""Private helpers of the Hugging Face integrations (``safeckpt.integrations.hf``, ``.accelerate``)."""

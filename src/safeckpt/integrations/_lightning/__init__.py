@@ -1,0 +1,1 @@
+"""Private helpers of the Lightning integrations (``safeckpt.integrations.lightning``, ``.lightning_dcp``)."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (harnesses, fuzz generators, checks); no tests here."""
