@@ -33,6 +33,7 @@ import re
 import threading
 import time
 import traceback
+import uuid
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -150,6 +151,35 @@ def _ask_store(query: Callable[[Any], Any], budget: float) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+JOB_KEY = "safeckpt/job"  # the job's identity in its store (see job_token)
+_JOB_TOKENS: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def job_token(budget: float = 5.0) -> str | None:
+    """This job's identity: the same string on every rank of the job, another in any other
+    job. The first rank that asks draws a fresh token and the job's store keeps it (an atomic
+    compare-and-set: the first writer wins, every later asker reads that one), so it needs no
+    collective and any rank may ask at any time. The writer lease uses it where torchrun gives
+    no rendezvous id (plain ``torchrun`` sets TORCHELASTIC_RUN_ID to ``none`` in every job).
+    None without a process group, or when the store does not answer within ``budget``."""
+    if not distributed_active():
+        return None
+    default_pg = dist.distributed_c10d._get_default_group()
+    cached = _JOB_TOKENS.get(id(default_pg))
+    if cached is not None and cached[0]() is default_pg:
+        return cached[1]
+    fresh = f"job-{uuid.uuid4().hex}"
+    try:
+        value = _ask_store(lambda store: store.compare_set(JOB_KEY, "", fresh), budget)
+    except Exception:  # noqa: BLE001 - the caller falls back to an identity of its own
+        return None
+    token = value.decode() if isinstance(value, bytes) else str(value)
+    if not token:
+        return None
+    _JOB_TOKENS[id(default_pg)] = (weakref.ref(default_pg), token)
+    return token
 
 
 LAZY_ENV = "SAFECKPT_LAZY_CONNECT"  # "auto" (default), "1" or "0"

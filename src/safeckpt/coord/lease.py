@@ -3,10 +3,20 @@
 Only the coordinator of a job takes it, at its first save; readers never do. The lease is a
 small JSON record at ``ROOT/.safeckpt.lock`` naming the holder (run id, host, pid, a nonce),
 created only if absent and refreshed by a heartbeat thread that touches only this record (no
-collectives). A holder counts as gone when it is on this host and its pid is dead, when its
-heartbeat is older than the lease, or when it is an earlier incarnation of the same torchrun job
-(same TORCHELASTIC_RUN_ID). A stale lease is taken over through the storage's ``take_over``
-(a rename aside on POSIX), so two contenders cannot both win.
+collectives). A holder counts as gone when it is on this host and its pid is dead, or when its
+heartbeat is older than the lease. A holder of the same job (same run id) is replaced even while
+it lives: an elastic restart under the same rendezvous id, or another process of the same job.
+
+The run id is the job's identity (:func:`default_run_id`): torchrun's rendezvous id where it is a
+real one (``--rdzv-id``, or the uuid of ``--standalone``), else a token the job's ranks agree on
+through the job's store (``coord.dist.job_token``). Plain ``torchrun`` (no ``--rdzv-id``) sets
+TORCHELASTIC_RUN_ID to ``none`` in every job, so that value never identifies one.
+
+A stale lease is taken over under a take-over mutex (``ROOT/.safeckpt.lock.takeover``, created
+only if absent): the record is read again there and removed (the storage's ``take_over``, a
+rename aside on POSIX) only if it is still the stale one. So a contender that judged a record
+stale a moment ago cannot remove the fresh record another contender has just written, and two
+contenders cannot both win.
 
 The storage primitives decide how strong this is: on POSIX the record is created with
 ``O_EXCL`` and the heartbeat is its mtime; on an object store it is created with a conditional
@@ -30,12 +40,39 @@ from ..errors import CheckpointLocked
 from ..storage.base import Storage, storage_for
 
 LOCK_NAME = ".safeckpt.lock"
+TAKEOVER_SUFFIX = ".takeover"  # the take-over mutex: ROOT/.safeckpt.lock.takeover
 DEFAULT_LEASE = 120.0
 MAX_RECORD = 1 << 16
+MUTEX_STALE = 30.0  # seconds after which a take-over mutex is a crashed contender's (it lives ms)
+ACQUIRE_WAIT = 10.0  # seconds acquire() retries while others create, replace or take over
+
+
+def rendezvous_id() -> str | None:
+    """torchrun's rendezvous id when it names one job: plain ``torchrun`` (no ``--rdzv-id``)
+    sets TORCHELASTIC_RUN_ID to ``none`` in every job, so ``none`` (or empty) is no identity."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    return rid if rid and rid.lower() != "none" else None
+
+
+_PROCESS_TOKEN: dict[int, str] = {}
 
 
 def default_run_id() -> str:
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """This job's identity for the lease: the rendezvous id, else the token the job's ranks
+    agree on through its store (the first to ask draws it), else one of this process alone."""
+    rid = rendezvous_id()
+    if rid:
+        return rid
+    try:
+        from .dist import job_token  # lazy: only a job's writer needs it (the CLI names its own)
+
+        token = job_token()
+    except Exception:  # noqa: BLE001 - no torch.distributed, or its store does not answer
+        token = None
+    if token:
+        return token
+    pid = os.getpid()
+    return _PROCESS_TOKEN.setdefault(pid, f"pid{pid}-{uuid.uuid4().hex[:12]}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -52,7 +89,10 @@ def read_lock(root: str, store: Storage | None = None) -> dict[str, Any] | None:
     """The lease record on ``root`` with its ``age`` (seconds since the last heartbeat), or
     None when there is none (or it cannot be read)."""
     store = store or storage_for(root)
-    path = store.join(root, LOCK_NAME)
+    return _read_record(store, store.join(root, LOCK_NAME))
+
+
+def _read_record(store: Storage, path: str) -> dict[str, Any] | None:
     raw = store.read(path, MAX_RECORD)
     if raw is None:
         return None
@@ -100,7 +140,9 @@ class RootLock:
         self.root = root
         self.store = store or storage_for(root)
         self.path = self.store.join(root, LOCK_NAME)
-        self.run_id = run_id or default_run_id()
+        # None: the job's identity, resolved at the first acquire (the process group may not
+        # exist yet when the lease object is made)
+        self.run_id = run_id
         self.lease = lease
         self.nonce = uuid.uuid4().hex
         self.held = False
@@ -130,26 +172,79 @@ class RootLock:
         if self.held:
             self.refresh()
             return
-        for _ in range(5):
+        if self.run_id is None:
+            self.run_id = default_run_id()
+        deadline = time.monotonic() + ACQUIRE_WAIT
+        while True:
             holder = read_lock(self.root, self.store)
             if holder is not None:
-                same_job = holder.get("run_id") == self.run_id and "TORCHELASTIC_RUN_ID" in os.environ
-                if holder.get("nonce") != self.nonce and holder_is_live(holder, self.lease) and not same_job:
+                if not self._replaceable(holder):
                     raise locked_error(self.root, holder, self.lease)
-                self.store.take_over(self.path)  # stale: only one contender wins
-            self._started = time.time()
-            try:
-                self.store.create(self.path, self._record())
-            except FileExistsError:
-                time.sleep(0.05)  # being written or replaced right now
-                continue
+                self._take_over(holder)  # stale or ours: removed unless it changed meanwhile
+            else:
+                self._started = time.time()
+                try:
+                    self.store.create(self.path, self._record())
+                except FileExistsError:
+                    pass  # another contender created it first: judge its record
+                else:
+                    if self.store.lease_settle:
+                        time.sleep(self.store.lease_settle)
+                    if self._mine():
+                        self.held = True
+                        self._start_heartbeat()
+                        return
+            if time.monotonic() > deadline:
+                raise CheckpointLocked(f"could not take the writer lease on {self.root} (contention)")
+            time.sleep(0.05)  # being written, replaced or taken over right now
+
+    def _replaceable(self, holder: dict[str, Any]) -> bool:
+        """The record may be removed: ours, its holder is gone (dead pid on this host, heartbeat
+        older than the lease), or it is this same job's: an elastic restart under the same
+        rendezvous id (the old coordinator elsewhere may still look alive), or another process
+        of this job (the same agreed token). Never another lease object of this very process
+        under a token: two managers writing one root."""
+        if holder.get("nonce") == self.nonce or not holder_is_live(holder, self.lease):
+            return True
+        if holder.get("run_id") != self.run_id:
+            return False
+        same_process = holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+        return self.run_id == rendezvous_id() or not same_process
+
+    def _take_over(self, stale: dict[str, Any]) -> None:
+        """Remove the record ``stale`` (as read) if it is still there and still replaceable.
+
+        Under the take-over mutex: between reading a stale record and removing it, another
+        contender may have removed it and written its own fresh record; removing "whatever is
+        there" would then throw the winner's record away and let both write. The mutex is
+        created only if absent, held for a read and a rename, and a crashed contender's is
+        broken after MUTEX_STALE seconds (or at once when its pid is dead on this host).
+        """
+        mutex = self.path + TAKEOVER_SUFFIX
+        try:
+            self.store.create(mutex, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                 "beat": time.time(), "nonce": self.nonce}).encode())
+        except FileExistsError:
+            other = _read_record(self.store, mutex)
+            if other is not None and (other.get("age", 0.0) > MUTEX_STALE
+                                      or not holder_is_live(other, MUTEX_STALE)):
+                self.store.take_over(mutex)  # its contender crashed mid take-over
+            return
+        try:
             if self.store.lease_settle:
                 time.sleep(self.store.lease_settle)
-            if self._mine():
-                self.held = True
-                self._start_heartbeat()
-                return
-        raise CheckpointLocked(f"could not take the writer lease on {self.root} (contention)")
+            mutex_record = _read_record(self.store, mutex)
+            if mutex_record is None or mutex_record.get("nonce") != self.nonce:
+                return  # not ours after all (a store without conditional writes)
+            current = read_lock(self.root, self.store)
+            if (current is not None and current.get("nonce") == stale.get("nonce")
+                    and current.get("run_id") == stale.get("run_id") and self._replaceable(current)):
+                self.store.take_over(self.path)
+        finally:
+            try:
+                self.store.delete(mutex)
+            except Exception:  # noqa: BLE001 - a leftover mutex is broken after MUTEX_STALE
+                pass
 
     def refresh(self) -> None:
         """Called at each save: still ours? Then mark it fresh; else take it again or raise."""
