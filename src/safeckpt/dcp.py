@@ -45,7 +45,9 @@ import dataclasses
 import functools
 import io
 import os
+import pickle
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +63,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -82,12 +85,15 @@ from .errors import (
     PORTABLE_ERRORS,
     CheckpointError,
     CheckpointExists,
+    CheckpointNotFound,
     CorruptCheckpoint,
     RankFailure,
     RankMismatch,
 )
 from .format.dcp_layout import (
+    BYTES_DTYPE,
     DCP_FILE,
+    DOT_METADATA,
     MANIFEST_KEY,
     MAX_DCP_FILE,
     build_layout,
@@ -107,10 +113,10 @@ from .format.manifest import (
     torch_dtype,
 )
 from .format.shardfile import MappedFile
+from .format.step_names import step_from_name
 from .format.tree import decode
 from .storage import commit as _commit
 from .storage.base import Storage, is_remote, join, resolve, storage_for
-from .storage.catalog import parse_step
 
 __all__ = ["StorageReader", "StorageWriter", "manager_writer", "translate_errors"]
 
@@ -157,6 +163,41 @@ class _Value:
     """One non-tensor item as a JSON tree (a WriteResult's storage_data)."""
 
     tree: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bytes:
+    """One ``bytes`` item, stored as a 1-d uint8 tensor (a WriteResult's storage_data):
+    ``chunk`` is where (None for empty bytes, which take no bytes in a file)."""
+
+    chunk: _Stored | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFile:
+    """The last WriteResult of every rank: its file (every rank writes one, as safeckpt.save's
+    ranks do), or the error that stopped its write, so that the coordinator always gets to
+    ``finish`` and removes the staging of a failed save."""
+
+    rank: int
+    file: str | None = None
+    size: int = 0
+    xxh3_128: str = ""
+    error: BaseException | None = None
+    trace: str = ""
+
+
+# The index of the _RankFile result: a name no state dict holds (DCP's fqns never start with NUL).
+_RANK_INDEX = MetadataIndex(fqn="\x00safeckpt.dcp.rank")
+# What stock DCP's FileSystemReader finds in a .metadata written here, for every item: the name
+# of a stream extension it does not know, so that it stops with this line (a ValueError
+# "Unknown extension name='...'") before reading or unpickling any byte of the item.
+STOCK_READER_POINTER = (
+    "this is a safeckpt checkpoint (tensors in safetensors files, values in JSON), which the "
+    "stock FileSystemReader cannot read: load it with dcp.load(state, "
+    "storage_reader=safeckpt.dcp.StorageReader(path))"
+)
+assert "/" not in STOCK_READER_POINTER  # DCP splits an extension descriptor at its first "/"
 
 
 def _describe_paths(infos: list[_RankInfo], attr: str = "path") -> str:
@@ -230,19 +271,35 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
     atomically (the old one stays until the new one is committed); without it an existing
     checkpoint raises :class:`~safeckpt.CheckpointExists`. An existing *empty* directory is
     not in the way. ``metadata``: JSON stored in the manifest (``safeckpt inspect`` shows it).
-    ``step``: the training step recorded in the manifest; by default taken from a directory
-    named as CheckpointManager names them (``step-0000000100``), so a manager, ``safeckpt ls``
-    and ``safeckpt gc`` see the step of checkpoints saved under a manager root.
-    ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
-    credentials), as for ``safeckpt.save``; ``timeout``: bounds each storage call (a share of it).
+    ``step``: the training step recorded in the manifest; by default taken from the directory's
+    name when it is one frameworks use (``step-0000000100`` as CheckpointManager names them,
+    torchtitan's ``step-100``, ``checkpoint-100``, ``checkpoint_100``, ``global_step100``,
+    Lightning's ``epoch=2-step=100``), so a manager, ``safeckpt ls`` and ``safeckpt gc`` see it.
+    ``dot_metadata``: also commit a ``.metadata`` file holding DCP's own (pickled) ``Metadata``,
+    for tools that recognise a DCP checkpoint by it (torchtitan's resume discovery, Lightning);
+    its size and xxh3-128 are in the manifest, and no safeckpt reader opens it. Stock
+    ``FileSystemReader`` given such a checkpoint stops at its first item with one line naming
+    :class:`StorageReader` (filesystem paths only: an object store's prefix holds only what its
+    manifest names). ``storage_options``: the fsspec filesystem's options for a URL ``path``
+    (endpoint, credentials), as for ``safeckpt.save``; ``timeout``: bounds each storage call (a
+    share of it).
+
+    Items: tensors (and DTensor shards) go to one safetensors file per rank; ``bytes`` items are
+    stored as they are (a 1-d uint8 tensor in that file) and loaded back as ``bytes`` (safeckpt
+    never looks inside them; what the caller does with its own bytes is the caller's); other
+    non-tensor items are stored as JSON, and an object JSON cannot hold is refused with its key.
+    A save that fails on any rank publishes nothing and removes its staging directory (a rank
+    that dies leaves it to the next save's sweep or ``safeckpt gc``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
                  metadata: Mapping[str, Any] | None = None, step: int | None = None,
+                 dot_metadata: bool = False,
                  storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
         super().__init__()
         self.storage_options = dict(storage_options) if storage_options else None
         self.timeout = timeout
+        self.dot_metadata = bool(dot_metadata)
         self._at(path)
         self.overwrite = bool(overwrite)
         self.step = step
@@ -257,6 +314,13 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
     def checkpoint_id(self) -> str:
         """The path (DCP's logger reports it, as for its own writers)."""
         return self.path
+
+    def _at(self, path: str | os.PathLike[str]) -> None:
+        super()._at(path)
+        if self.dot_metadata and is_remote(self.path):
+            raise ValueError(
+                f"dot_metadata=True writes a .metadata file beside the checkpoint's files, which "
+                f"an object store prefix cannot hold ({self.path}): leave it out there")
 
     # -- setup
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -312,7 +376,9 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
         return [dataclasses.replace(p, storage_data=self._staging) for p in plans]
 
     def _step(self) -> int | None:
-        return self.step if self.step is not None else parse_step(os.path.basename(self.path))
+        if self.step is not None:
+            return self.step
+        return step_from_name(self.path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1])
 
     # -- writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -325,8 +391,12 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
                 "(DefaultSavePlanner(enable_plan_caching=True)); use a planner without it."
             )
         store = self.storage()
-        _commit.probe(store, {"path": staging.staging, "token": staging.token}, self.rank)
-        results = _write_rank(store, staging, self.rank, plan, planner)
+        try:
+            _commit.probe(store, {"path": staging.staging, "token": staging.token}, self.rank)
+            results = _write_rank(store, staging, self.rank, plan, planner)
+        except Exception as exc:  # noqa: BLE001 - to the coordinator, which removes the staging
+            results = [WriteResult(index=_RANK_INDEX, size_in_bytes=0, storage_data=_RankFile(
+                self.rank, error=_portable(exc), trace="".join(traceback.format_exception(exc))))]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -337,8 +407,9 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
         if staging is None:
             raise CheckpointError("safeckpt.dcp: finish() without a staged save on the coordinator")
         try:
+            _raise_write_failures(results, self.rank)
             _commit_save(self.storage(), staging, metadata, results, overwrite=self.overwrite,
-                         user=self.metadata, step=self._step())
+                         user=self.metadata, step=self._step(), dot_metadata=self.dot_metadata)
         except BaseException:
             self._drop_staging()
             raise
@@ -411,20 +482,57 @@ def _begin(store: Storage, target: str, overwrite: bool) -> dict[str, str]:
     return _commit.begin(store, target, overwrite)
 
 
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it crosses to the coordinator (pickles), else a CheckpointError saying it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure means: it does not travel
+        return CheckpointError(f"{type(exc).__name__}: {exc}")
+
+
+def _raise_write_failures(results: list[list[WriteResult]], me: int) -> None:
+    """Coordinator: raise what stopped any rank's write (the caller removes the staging)."""
+    failed = {}
+    for rank_results in results:
+        for res in rank_results:
+            if isinstance(res.storage_data, _RankFile) and res.storage_data.error is not None:
+                failed[res.storage_data.rank] = res.storage_data
+    if not failed:
+        return
+    if set(failed) == {me}:  # the coordinator's own error, as it was raised
+        raise failed[me].error  # type: ignore[misc]
+    raise RankFailure(
+        "dcp.save failed on rank(s) " + ", ".join(map(str, sorted(failed))) + ": "
+        + "; ".join(f"rank {r}: {type(f.error).__name__}: {str(f.error).splitlines()[0] if str(f.error) else ''}"
+                    for r, f in sorted(failed.items()))
+        + ". Nothing was published and the save's staging directory was removed.",
+        failures={r: f"{type(f.error).__name__}: {f.error}\n{f.trace}" for r, f in failed.items()},
+    )
+
+
 def _write_rank(store: Storage, staging: _Staging, rank: int, plan: SavePlan,
                 planner: SavePlanner) -> list[WriteResult]:
+    """Write this rank's file (always one, maybe without tensors); its WriteResults, the last
+    one the :class:`_RankFile`."""
     tensor_items = []
     results: list[WriteResult] = []
+    blobs = []  # (item, bytes) of the bytes items this rank writes
     for item in plan.items:
         if item.type == WriteItemType.BYTE_IO:
-            results.append(WriteResult(index=item.index, size_in_bytes=0,
-                                       storage_data=_Value(_plain_value(item, planner))))
+            value = _byte_io_value(item, planner)
+            if type(value) is bytes:
+                blobs.append((item, value))
+            else:
+                results.append(WriteResult(index=item.index, size_in_bytes=0,
+                                           storage_data=_Value(encode_value(value, item.index.fqn))))
         else:
             tensor_items.append(item)
-    if not tensor_items:
-        return results
     named = []
     boxes = []
+    for item, blob in blobs:
+        if blob:
+            named.append((_chunk_name(item), torch.frombuffer(bytearray(blob), dtype=torch.uint8)))
     for item in tensor_items:
         t = planner.resolve_data(item)
         if not isinstance(t, torch.Tensor):
@@ -444,12 +552,19 @@ def _write_rank(store: Storage, staging: _Staging, rank: int, plan: SavePlan,
     fname, written = _commit.write(store, {"path": staging.staging, "token": staging.token}, rank, named,
                                    {"format": "safeckpt", "writer": "safeckpt.dcp"})
     where = {n: (span, digest) for n, span, digest in zip(written.names, written.spans, written.digests, strict=True)}
-    for item, (name, _), (offsets, sizes) in zip(tensor_items, named, boxes, strict=True):
+
+    def stored(name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> _Stored:
         (start, end), digest = where[name]
-        results.append(WriteResult(
-            index=item.index, size_in_bytes=end - start,
-            storage_data=_Stored(fname, start, end, digest, offsets, sizes, written.size, written.xxh3_128),
-        ))
+        return _Stored(fname, start, end, digest, offsets, sizes, written.size, written.xxh3_128)
+
+    for item, blob in blobs:
+        chunk = stored(_chunk_name(item), (0,), (len(blob),)) if blob else None
+        results.append(WriteResult(index=item.index, size_in_bytes=len(blob), storage_data=_Bytes(chunk)))
+    for item, (offsets, sizes) in zip(tensor_items, boxes, strict=True):
+        s = stored(_chunk_name(item), offsets, sizes)
+        results.append(WriteResult(index=item.index, size_in_bytes=s.end - s.start, storage_data=s))
+    results.append(WriteResult(index=_RANK_INDEX, size_in_bytes=0,
+                               storage_data=_RankFile(rank, fname, written.size, written.xxh3_128)))
     return results
 
 
@@ -458,10 +573,11 @@ def _chunk_name(item: Any) -> str:
     return item.index.fqn if off is None else f"{item.index.fqn}@{','.join(map(str, off))}"
 
 
-def _plain_value(item: Any, planner: SavePlanner) -> Any:
-    """A non-tensor item as JSON, taken from the planner's state before DCP pickles it
+def _byte_io_value(item: Any, planner: SavePlanner) -> Any:
+    """A non-tensor item's value, taken from the planner's state before DCP pickles it
     (``lookup_object``, which DCP's DefaultSavePlanner has); for other planners, what
-    ``resolve_data`` pickled is read back with torch's restricted unpickler (plain values only)."""
+    ``resolve_data`` pickled is read back with torch's restricted unpickler (plain values and
+    bytes only)."""
     fqn = item.index.fqn
     lookup = getattr(planner, "lookup_object", None)
     if callable(lookup):
@@ -476,7 +592,7 @@ def _plain_value(item: Any, planner: SavePlanner) -> Any:
                 f"DCP item {fqn!r} is a pickled object beyond plain values ({type(exc).__name__}); "
                 "safeckpt.dcp stores non-tensor items as JSON"
             ) from None
-    return encode_value(value, fqn)
+    return value
 
 
 def _properties(p: TensorProperties) -> dict[str, Any]:
@@ -494,45 +610,57 @@ def _properties(p: TensorProperties) -> dict[str, Any]:
 
 
 def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results: list[list[WriteResult]], *,
-                 overwrite: bool, user: dict[str, Any], step: int | None) -> None:
+                 overwrite: bool, user: dict[str, Any], step: int | None, dot_metadata: bool = False) -> None:
     """Coordinator: check every rank's file, write DCP metadata and manifest, publish."""
-    files: dict[str, Any] = {}
     chunks: dict[str, list[_Stored]] = {}
     values: dict[str, Any] = {}
+    blobs: dict[str, _Bytes] = {}
+    written: list[dict[str, Any]] = []
+    where: dict[MetadataIndex, tuple[str, int, int]] = {}  # DCP's index -> (file, start, length), for .metadata
     for rank, rank_results in enumerate(results):
+        mine = [res.storage_data for res in rank_results if isinstance(res.storage_data, _RankFile)]
+        if len(mine) != 1 or mine[0].rank != rank or mine[0].file is None:
+            raise CheckpointError(f"rank {rank} returned write results safeckpt.dcp did not make")
+        written.append({"file": mine[0].file, "size": mine[0].size, "xxh3_128": mine[0].xxh3_128})
         for res in rank_results:
             sd = res.storage_data
             if isinstance(sd, _Value):
                 values[res.index.fqn] = sd.tree
+                where[res.index] = (MANIFEST_FILE, 0, 0)
+            elif isinstance(sd, _Bytes):
+                blobs[res.index.fqn] = sd
+                where[res.index] = (MANIFEST_FILE, 0, 0) if sd.chunk is None else (
+                    sd.chunk.file, sd.chunk.start, sd.chunk.end - sd.chunk.start)
             elif isinstance(sd, _Stored):
+                if sd.file != mine[0].file:
+                    raise CheckpointError(f"rank {rank} reported chunks in two files ({sd.file}, {mine[0].file})")
                 chunks.setdefault(res.index.fqn, []).append(sd)
-                rec = {"size": sd.file_size, "xxh3_128": sd.file_xxh3_128, "rank": rank}
-                if files.setdefault(sd.file, rec) != rec:
-                    raise CheckpointError(f"rank {rank} reported two different files named {sd.file}")
-            else:
+                where[res.index] = (sd.file, sd.start, sd.end - sd.start)
+            elif not isinstance(sd, _RankFile):
                 raise CheckpointError(f"rank {rank} returned a write result safeckpt.dcp did not make")
-    for name, rec in files.items():
-        actual = store.size(store.join(staging.staging, name))
-        if actual is None:
-            raise CheckpointError(
-                f"rank {rec['rank']} wrote {name} but the coordinator (rank 0) cannot see it in "
-                f"{staging.staging}. {_commit.NOT_SHARED}")
-        if actual != rec["size"]:
-            raise CheckpointError(
-                f"rank {rec['rank']}'s file {name} has {actual} bytes in {staging.staging} but "
-                f"rank {rec['rank']} wrote {rec['size']}: the storage lost or replaced it")
+    if len({w["file"] for w in written}) != len(written):
+        raise CheckpointError("two ranks reported the same file name")
+    files = _commit.check_written(store, {"path": staging.staging, "token": staging.token}, written)
     sdm = metadata.state_dict_metadata
     fqns = list(sdm)
     tensor_fqns = {f for f, m in sdm.items() if isinstance(m, TensorStorageMetadata)}
-    missing = [f for f in fqns if f not in tensor_fqns and f not in values]
+    missing = [f for f in fqns if f not in tensor_fqns and f not in values and f not in blobs]
     missing += [f for f in tensor_fqns if f not in chunks and _numel(sdm[f].size) > 0]
     if missing:
         raise CheckpointError(f"no rank wrote DCP item {missing[0]!r} ({len(missing)} missing)")
-    keys, objects = build_layout(fqns, tensor_fqns, values, metadata.planner_data)
+    keys, objects = build_layout(fqns, tensor_fqns | set(blobs), values, metadata.planner_data)
     tensors: dict[str, Any] = {}
     entries: dict[str, Any] = {}
     for f in fqns:
         m = sdm[f]
+        if f in blobs:
+            c = blobs[f].chunk
+            entries[f] = {"bytes": keys[f]}
+            tensors[keys[f]] = {"dtype": BYTES_DTYPE, "shape": [0 if c is None else c.sizes[0]],
+                                "scope": "replicated", "chunks": [] if c is None else [
+                                    {"file": c.file, "start": c.start, "end": c.end, "xxh3_64": c.xxh3_64,
+                                     "offsets": [0], "sizes": list(c.sizes)}]}
+            continue
         if f not in tensor_fqns:
             entries[f] = {"value": values[f]}
             continue
@@ -567,6 +695,11 @@ def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results:
     else:  # inside the manifest, whose PUT is the commit (see format.dcp_layout)
         info = {"inline": doc}
     info["dcp_version"] = metadata.version
+    if dot_metadata:  # DCP's own Metadata, for tools that look for it; published by the same rename
+        raw_dot = _stock_metadata(metadata, where)
+        _write_new(os.path.join(staging.staging, DOT_METADATA), raw_dot)
+        info["dot_metadata"] = {"file": DOT_METADATA, "size": len(raw_dot),
+                                "xxh3_128": xxhash.xxh3_128_hexdigest(raw_dot)}
     now = time.time()
     man = {
         "format": FORMAT,
@@ -595,6 +728,25 @@ def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results:
             ) from None
     _commit.commit(store, target, {"path": staging.staging, "token": staging.token}, raw,
                    overwrite=overwrite, files=files)
+
+
+MANIFEST_FILE = "manifest.json"
+
+
+def _stock_metadata(metadata: Metadata, where: Mapping[MetadataIndex, tuple[str, int, int]]) -> bytes:
+    """DCP's ``Metadata`` as its FileSystemWriter pickles it into ``.metadata``: the same
+    state_dict_metadata, planner_data and storage_meta, and a ``storage_data`` entry for every
+    item (file, offset, length) whose stream transform is :data:`STOCK_READER_POINTER`, an
+    extension no FileSystemReader knows: it stops at the first item with that line, before it
+    reads (or unpickles) anything of it. Values live in JSON, not in a file: their entries point
+    at ``manifest.json`` with length 0."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    pointer = [STOCK_READER_POINTER + "/1"]
+    storage_data = {index: _StorageInfo(relative_path=file, offset=start, length=length,
+                                        transform_descriptors=pointer)
+                    for index, (file, start, length) in where.items()}
+    return pickle.dumps(dataclasses.replace(metadata, storage_data=storage_data))
 
 
 def _write_new(path: str, data: bytes) -> None:
@@ -636,6 +788,7 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
         self._manifest: dict[str, Any] | None = None
         self._chunks: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
         self._values: dict[str, Any] = {}
+        self._bytes: dict[str, dict[str, Any] | None] = {}  # a bytes item's chunk (None: empty)
 
     @property
     def checkpoint_id(self) -> str:
@@ -662,7 +815,16 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        man = open_manifest(self.path, self.storage())
+        try:
+            man = open_manifest(self.path, self.storage())
+        except CheckpointNotFound:
+            if self.storage().size(join(self.path, DOT_METADATA)) is not None:
+                raise CheckpointError(
+                    f"{self.path} was written by DCP's own FileSystemWriter (it holds .metadata, no "
+                    "manifest.json): read it with dcp.load(state, checkpoint_id=path), or import it "
+                    f"once with `safeckpt convert --from dcp {self.path} NEW_PATH` and load that "
+                    "through safeckpt.dcp.StorageReader") from None
+            raise
         info = (man.get("metadata") or {}).get(MANIFEST_KEY)
         if not isinstance(info, dict):
             raise CheckpointError(
@@ -676,8 +838,13 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
             doc = parse_dcp_document(self._read_dcp_file(info), join(self.path, DCP_FILE), self.path, man)
         self._manifest = man
         sdm: dict[str, Any] = {}
-        self._chunks, self._values = {}, {}
+        self._chunks, self._values, self._bytes = {}, {}, {}
         for fqn, e in doc["entries"].items():
+            if "bytes" in e:
+                sdm[fqn] = BytesStorageMetadata()
+                chunks = man["tensors"][e["bytes"]]["chunks"]
+                self._bytes[fqn] = {**chunks[0], "dtype": BYTES_DTYPE} if chunks else None
+                continue
             if "value" in e:
                 sdm[fqn] = BytesStorageMetadata()
                 self._values[fqn] = e["value"]
@@ -749,9 +916,14 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
         if self._manifest is None:
             raise CheckpointError("safeckpt.dcp.StorageReader: read_data before read_metadata")
         work = []
+        blobs = []  # (ReadItem, chunk) of the bytes items: verified with the tensors' chunks
         needed: dict[str, list[tuple[int, int]]] = {}
         for ri in plan.items:
             if ri.type == LoadItemType.BYTE_IO:
+                c = self._bytes.get(ri.storage_index.fqn)
+                if c is not None:
+                    needed.setdefault(c["file"], []).append((c["start"], c["end"]))
+                    blobs.append((ri, c))
                 continue
             key = (ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))
             c = self._chunks.get(key)
@@ -782,7 +954,7 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
                 jobs.append((ri, c, target))
             if self.verify_checksums:
                 seen: dict[tuple[str, int], tuple[Any, dict[str, Any]]] = {}
-                for ri, c in work:
+                for ri, c in work + blobs:
                     if c["end"] > c["start"]:
                         seen.setdefault((c["file"], c["start"]), (ri, c))
                 _threaded([functools.partial(self._verify, files[c["file"]], ri, c) for ri, c in seen.values()],
@@ -793,7 +965,13 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
                 planner.commit_tensor(ri, target)
             for ri in plan.items:
                 if ri.type == LoadItemType.BYTE_IO:
-                    self._load_value(ri, planner)
+                    fqn = ri.storage_index.fqn
+                    if fqn in self._bytes:
+                        c = self._bytes[fqn]
+                        blob = b"" if c is None else _read_blob(files[c["file"]], c)
+                        self._deliver(ri, planner, blob)
+                    else:
+                        self._load_value(ri, planner)
         finally:
             for f in files.values():
                 f.close()
@@ -816,7 +994,10 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
         fqn = ri.storage_index.fqn
         if fqn not in self._values:
             raise CorruptCheckpoint(f"{self.path} holds no value {fqn!r}", path=self.path)
-        value = decode(self._values[fqn], _no_tensor)
+        self._deliver(ri, planner, decode(self._values[fqn], _no_tensor))
+
+    def _deliver(self, ri: Any, planner: LoadPlanner, value: Any) -> None:
+        """Hand a non-tensor item's value (from JSON, or a bytes item's bytes) to the planner."""
         if isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
             # What DefaultLoadPlanner.load_bytes does after its torch.load, without the pickle.
             from torch.distributed.checkpoint._traverse import set_element
@@ -832,6 +1013,12 @@ class StorageReader(_OnStorage, _dcp.StorageReader):
         torch.save(value, buf)
         buf.seek(0)
         planner.load_bytes(ri, buf)
+
+
+def _read_blob(f: Any, c: dict[str, Any]) -> bytes:
+    """A bytes item's bytes (its chunk already checked)."""
+    n = c["end"] - c["start"]
+    return f.tensor(c["start"], c["end"], torch.uint8, [n], None).numpy().tobytes()
 
 
 def _copy_chunk(f: Any, ri: Any, c: dict[str, Any], target: torch.Tensor) -> None:

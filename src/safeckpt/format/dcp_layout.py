@@ -14,6 +14,10 @@ it) plus one file::
                                and xxh3-128, so the manifest's own checksum covers it
       rank-00000.safetensors   what rank 0 wrote (one file per rank that had tensor data)
       dcp_metadata.json        DCP's Metadata as JSON (never a pickle)
+      .metadata                only with StorageWriter(dot_metadata=True): DCP's own pickled
+                               Metadata, for tools that look for it (torchtitan's discovery);
+                               size and xxh3-128 in ``metadata["safeckpt.dcp"]["dot_metadata"]``;
+                               no safeckpt reader ever opens it
 
 On an object store (no directory rename: the manifest PUT is the commit) the document is not a
 separate object but ``metadata["safeckpt.dcp"]["inline"]`` in the manifest itself, so the one
@@ -24,14 +28,19 @@ token-named data objects) leave nothing behind.
 
     {"format": "safeckpt-dcp", "format_version": 1, "dcp_version": "1.0.0",
      "entries": {fqn: {"tensor": KEY, "properties": {...}}        # chunks: the manifest's
-                | {"value": TREE}},                               # non-tensor (BYTE_IO) item
+                | {"value": TREE}                                 # non-tensor (BYTE_IO) item
+                | {"bytes": KEY}},                                # a bytes item: its bytes are
+                                                                  # 1-d uint8 tensor KEY
      "planner_data": {fqn: [path component, ...]} | null,         # DCP's flatten mapping
      "storage_meta": {"checkpoint_id", "save_id", "modules"} | null}
 
 A tensor's chunks (global offsets and sizes, file, byte range, xxh3-64) live only in the
 manifest's ``tensors[KEY]``, already validated by safeckpt's one validation layer (boxes tile
 the tensor, byte ranges inside their files). Non-tensor values are tagged JSON trees
-(``@tuple``, ``@dict``, ``@float``, as in safeckpt manifests).
+(``@tuple``, ``@dict``, ``@float``, as in safeckpt manifests). A ``bytes`` item (torchtitan's
+dataloader state is ``pickle.dumps`` bytes) is stored as what it is, bytes, in the rank's
+safetensors file (a 1-d uint8 tensor, checksummed like any chunk) and handed back as ``bytes``;
+safeckpt never looks inside them (``read_state_dict`` shows that uint8 tensor).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from .validate import MAX_DEPTH
 DCP_FORMAT = "safeckpt-dcp"
 DCP_FORMAT_VERSION = 1
 DCP_FILE = "dcp_metadata.json"
+DOT_METADATA = ".metadata"  # DCP's own pickled Metadata (optional, never read by safeckpt)
+BYTES_DTYPE = "U8"  # a bytes item's tensor
 MANIFEST_KEY = "safeckpt.dcp"  # the key of the manifest's ``metadata`` that describes DCP_FILE
 FLAT_OBJECT = "dcp"  # the one object holding every item when the state has no usable top-level names
 MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
@@ -287,20 +298,28 @@ def check_dcp_document(doc: Any, where: str, ckpt: str, man: dict[str, Any]) -> 
     used: set[str] = set()
     for fqn, e in entries.items():
         what = f"entry {fqn!r:.200}"
-        if not isinstance(e, dict) or len(e) not in (1, 2) or not ({"tensor"} <= set(e) or set(e) == {"value"}):
-            raise bad(f"{what} is neither a tensor nor a value")
+        if (not isinstance(e, dict) or len(e) not in (1, 2)
+                or not ({"tensor"} <= set(e) or set(e) == {"value"} or set(e) == {"bytes"})):
+            raise bad(f"{what} is neither a tensor, a value nor bytes")
         if "value" in e:
             try:
                 check_value_tree(e["value"], what)
             except CorruptCheckpoint as exc:
                 raise bad(str(exc)) from None
             continue
-        key = e["tensor"]
+        key = e["bytes"] if "bytes" in e else e["tensor"]
         if not isinstance(key, str) or key not in tensors or "alias_of" in tensors[key]:
             raise bad(f"{what} names tensor {key!r:.200}, which the manifest does not hold")
         if key in used:
             raise bad(f"{what} names tensor {key!r:.200}, which another entry names too")
         used.add(key)
+        if "bytes" in e:
+            rec = tensors[key]
+            chunks = rec.get("chunks") or []
+            if (rec.get("dtype") != BYTES_DTYPE or len(rec.get("shape", ())) != 1 or len(chunks) > 1
+                    or (rec["shape"][0] > 0) != bool(chunks)):
+                raise bad(f"{what} names tensor {key!r:.200}, which is not 1-d uint8 in at most one chunk")
+            continue
         props = e.get("properties", {})
         if not isinstance(props, dict) or set(props) - {"requires_grad", "pin_memory", "memory_format"}:
             raise bad(f"{what} has malformed properties")
