@@ -22,11 +22,11 @@ from .coord.dist import Coordinator, resolve_timeout
 from .coord.lease import DEFAULT_LEASE, writer_lease
 from .coord.preempt import PreemptionWatcher
 from .engine import frozen as _frozen
+from .engine import pick as picking
 from .engine.background import AsyncSaver
 from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.load import load
-from .engine.offline import verify_on
 from .engine.save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
 from .errors import (
     CheckpointError,
@@ -43,7 +43,6 @@ from .storage.catalog import (
     committed,
     dirname_of,
     remove_entry,
-    scan,
     sweep,
 )
 
@@ -146,6 +145,7 @@ class CheckpointManager:
         Returns its step, or None when the root holds no checkpoint (a fresh run). A checkpoint
         that fails verification is skipped with a warning naming the reason, on every rank
         together; if every one fails, CorruptCheckpoint is raised rather than starting fresh.
+        Older checkpoints are verified only if the newer ones fail (see ``engine.pick``).
         """
         self._check_open()
         self.wait()
@@ -156,7 +156,7 @@ class CheckpointManager:
         if step is not None and not picked["candidates"] and not reasons:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
         live_frozen = _frozen.has_frozen(state)
-        for cand_step, path in picked["candidates"]:
+        for cand_step, path in _Candidates(self, coord, picked, reasons):
             try:
                 target = None
                 if live_frozen:
@@ -186,8 +186,9 @@ class CheckpointManager:
         return None
 
     def _agreed_pick(self, coord: Coordinator, step: int | None) -> dict[str, Any]:
-        """One exchange: the same root and step on every rank, then the coordinator's
-        candidates (newest first, past the cheap checks) for all; warnings shown here."""
+        """One exchange: the same root and step on every rank, then the coordinator's pick for
+        all (``engine.pick.first_valid``: the newest checkpoint past the cheap checks, and the
+        older ones not yet judged); warnings shown here."""
         def pick(asked: list[dict[str, Any]]) -> dict[str, Any] | None:
             for field, what in (("root", "roots"), ("step", "steps")):
                 bad = [r for r, a in enumerate(asked) if a[field] != asked[0][field]]
@@ -206,43 +207,37 @@ class CheckpointManager:
             warnings.warn(note, SafeckptWarning, stacklevel=3)
         return picked
 
-    def resume_candidates(self, step: int | None = None) -> tuple[list[tuple[int, str]], list[str]]:
+    def resume_candidates(self, step: int | None = None) -> tuple[Iterable[tuple[int, str]], list[str]]:
         """The checkpoints :meth:`restore` would try, newest first, and why others were skipped
         (collective; the same answer on every rank). For callers whose load runs inside a
         framework's own flow (the Hugging Face Trainer): they load a candidate with one
         collective load, take the next one if it raises CorruptCheckpoint (a load checks every
-        byte it reads and changes nothing on failure), and call :meth:`mark_restored`."""
+        byte it reads and changes nothing on failure), and call :meth:`mark_restored`.
+
+        The candidates come one at a time (iterate them once, on every rank together): the
+        first was verified here, each older one is verified (collectively) only when the
+        iteration reaches it, and the reasons of those that fail are appended to the list
+        returned. The iterable is true when there is a first candidate."""
         self._check_open()
         self.wait()
-        picked = self._agreed_pick(self._coord(what=f"restore from {self.root}"), step)
-        return [(int(s), p) for s, p in picked["candidates"]], list(picked.get("damaged", []))
+        coord = self._coord(what=f"restore from {self.root}")
+        picked = self._agreed_pick(coord, step)
+        reasons = list(picked.get("damaged", []))
+        return _Candidates(self, coord, picked, reasons), reasons
 
     def mark_restored(self, step: int) -> None:
         """``step`` was restored (by a caller of :meth:`resume_candidates`): retention keeps it."""
         self._restored = step
 
-    def _pick(self, step: int | None, is_coordinator: bool) -> dict[str, Any] | None:
+    def _pick(self, step: int | None, is_coordinator: bool,
+              rest: list[list[Any]] | None = None) -> dict[str, Any] | None:
+        """Coordinator: the newest checkpoint that verifies (``engine.pick.first_valid``), or,
+        given ``rest`` (the ones a previous pick left unjudged), the next one among them."""
         if not is_coordinator:
             return None
-        entries = scan(self.root, store=self._store, dirnames=self._dirnames)
-        notes = []
-        candidates = []
-        damaged = []
-        for e in reversed(entries):
-            if step is not None and e.step != step:
-                continue
-            if e.status in ("corrupt", "incomplete"):
-                notes.append(f"ignoring {e.path}: {e.status} ({e.problem})")
-                if e.status == "corrupt":
-                    damaged.append(f"step {e.step}: unreadable manifest ({e.problem})")
-            elif e.status == "committed":
-                report = verify_on(self._store, e.path, deep=False, indexes=False)
-                if report.ok:
-                    candidates.append([e.step, e.path])
-                else:
-                    notes.append(f"skipping checkpoint step {e.step} at {e.path}: " + "; ".join(report.problems))
-                    damaged.append(f"step {e.step}: " + "; ".join(report.problems))
-        return {"candidates": candidates, "warnings": notes, "damaged": damaged}
+        if rest is not None:
+            return picking.judge(self._store, rest)
+        return picking.first_valid(self._store, self.root, self._dirnames, step)
 
     def save(
         self,
@@ -428,3 +423,33 @@ def _abandon(lock: Any, watcher: PreemptionWatcher | None) -> None:
     finally:
         if watcher:
             watcher.restore()
+
+
+class _Candidates:
+    """The candidates of one pick, newest first, judged lazily: the first came verified with
+    the pick; when the caller asks for the next (its load failed), the coordinator verifies the
+    older ones just before, in one exchange, until one passes (see ``engine.pick``)."""
+
+    def __init__(self, mgr: CheckpointManager, coord: Coordinator, picked: dict[str, Any],
+                 reasons: list[str]) -> None:
+        self._mgr = mgr
+        self._coord = coord
+        self._picked = picked
+        self._reasons = reasons  # the caller's list of reasons: later failures are added to it
+
+    def __bool__(self) -> bool:
+        return bool(self._picked["candidates"])
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        picked = self._picked
+        while True:
+            for cand_step, path in picked["candidates"]:
+                yield int(cand_step), path
+            rest = picked.get("rest") or []
+            if not rest:
+                return
+            picked = self._coord.decide("pick", lambda: None, lambda _, rest=rest: self._mgr._pick(None, True, rest))
+            for note in picked["warnings"]:
+                warnings.warn(note, SafeckptWarning, stacklevel=3)
+            self._reasons.extend(picked.get("damaged", []))
+

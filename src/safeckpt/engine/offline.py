@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,28 +50,39 @@ def verify(
 
 
 def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
-              progress: Callable[[int], None] | None = None, indexes: bool = True) -> VerifyReport:
+              progress: Callable[[int], None] | None = None, indexes: bool = True,
+              manifest: dict[str, Any] | None = None) -> VerifyReport:
     """:func:`verify` of the resolved path ``ckpt`` on ``store`` (the manager's, whose calls
     are bounded by its timeout). ``indexes=False`` (the manager's choice of a checkpoint to
     restore): for format 3, the manifest and every file's presence and size only, without
     reading every file's index on one rank (at 16k ranks of FSDP2 that is gigabytes); the load
-    itself then checks the indexes and chunks each rank reads, and a failure falls back."""
+    itself then checks the indexes and chunks each rank reads, and a failure falls back.
+    ``manifest``: the checkpoint's manifest as ``store.read_manifest`` returned it (the caller
+    read it already: it is not read again). On an object store each file is looked up once (one
+    HEAD), ``CHECK_THREADS`` at a time."""
     problems: list[str] = []
     try:
-        stored = open_manifest(ckpt, store, full=False)
-        missing = [f"missing file {name}" for name in sorted(stored["files"])
-                   if not _exists(safe_file_path(ckpt, name), store)]
+        stored = manifest if manifest is not None else open_manifest(ckpt, store, full=False)
+        names = sorted(stored["files"])
+        paths = [safe_file_path(ckpt, name) for name in names]
+        sizes = _sizes(store, paths) if is_remote(ckpt) else None
+        present = [s is not None for s in sizes] if sizes is not None else [os.path.lexists(p) for p in paths]
+        missing = [f"missing file {name}" for name, there in zip(names, present) if not there]
         if missing:  # said plainly, before format 3's indexes are read from those files
             return VerifyReport(ckpt, False, missing, stored.get("step"), 0, deep)
         if not indexes and not deep and stored.get("format_version") == 3:
-            for name, rec in sorted(stored["files"].items()):
-                size = store.size(safe_file_path(ckpt, name))
+            if sizes is None:
+                sizes = [store.size(p) for p in paths]
+            for name, size in zip(names, sizes):
+                rec = stored["files"][name]
                 if size != rec["size"]:
                     problems.append(f"{name}: {size} bytes, the manifest says {rec['size']} (truncated or replaced)")
             nbytes = sum(int(rec["size"]) for rec in stored["files"].values())
             problems += _extras(store, ckpt, stored, deep, indexes)
             return VerifyReport(ckpt, not problems, problems, stored.get("step"), nbytes, deep)
-        man = open_manifest(ckpt, store)
+        # format 3: the manifest as format 2 shapes it, every file's index read (once more: the
+        # stored form is a different object); older formats are used as stored
+        man = stored if stored.get("format_version") != 3 else open_manifest(ckpt, store)
     except (CheckpointError, OSError) as exc:
         return VerifyReport(ckpt, False, [str(exc)], deep=deep)
     nbytes = 0
@@ -79,9 +91,6 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
         for c in rec["chunks"]:
             by_file.setdefault(c["file"], []).append({**c, "dtype": rec["dtype"], "key": key})
     for name, rec in sorted(man["files"].items()):
-        if not _exists(safe_file_path(ckpt, name), store):
-            problems.append(f"missing file {name}")
-            continue
         try:
             f = open_data_file(ckpt, name, rec["size"], store)
         except CheckpointError as exc:
@@ -139,10 +148,15 @@ def _deep_problems(store: Storage, ckpt: str, name: str, rec: dict[str, Any], ch
     return problems
 
 
-def _exists(path: str, store: Storage) -> bool:
-    if is_remote(path):
-        return store.size(path) is not None
-    return os.path.lexists(path)
+CHECK_THREADS = 16  # object-store lookups (HEAD requests) of one checkpoint's files at once
+
+
+def _sizes(store: Storage, paths: list[str]) -> list[int | None]:
+    """``store.size`` of each path (None: absent), ``CHECK_THREADS`` requests at a time."""
+    if len(paths) <= 1:
+        return [store.size(p) for p in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(CHECK_THREADS, len(paths))) as pool:
+        return list(pool.map(store.size, paths))
 
 
 def read_state_dict(

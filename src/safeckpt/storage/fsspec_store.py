@@ -22,6 +22,7 @@ fsspec is imported on first use only; it is the ``remote`` extra.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import time
@@ -47,6 +48,7 @@ _CREDENTIALS = {
           "set AZURE_STORAGE_CONNECTION_STRING",
 }
 _CREDENTIALS.update({"s3a": _CREDENTIALS["s3"], "gcs": _CREDENTIALS["gs"], "abfs": _CREDENTIALS["az"]})
+DELETE_THREADS = 8  # deletes at once by delete_many where the store has no bulk delete
 _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError",
                 "ServerDisconnectedError", "ClientOSError", "ConnectionClosedError", "ProxyConnectionError")
 
@@ -246,12 +248,31 @@ class FsspecStorage(Storage):
         just before the write."""
         p = self._path(path)
         with self._errors(path, "writing"):
-            if exclusive and _can_create(self.fs):
-                self._call("pipe_file", p, data, mode="create")
+            if exclusive and self.conditional_writes(path):
+                self._create(path, data)
             else:
                 if exclusive and self.size(path) is not None:
                     raise FileExistsError(path)
                 self._call("pipe_file", p, data)
+            self.fs.invalidate_cache(p)
+
+    def conditional_writes(self, path: str) -> bool:
+        """Whether an exclusive write to ``path`` is one atomic conditional PUT."""
+        return _can_create(self.fs)
+
+    def _create(self, path: str, data: bytes) -> None:
+        """One conditional PUT (``pipe_file(mode="create")``); FileExistsError if the object
+        exists, whether the filesystem says so or only answers 412 Precondition Failed."""
+        p = self._path(path)
+        try:
+            self._call("pipe_file", p, data, mode="create")
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if _precondition_failed(exc):
+                raise FileExistsError(path) from exc
+            raise
+        finally:
             self.fs.invalidate_cache(p)
 
     # ------------------------------------------------------------------ delete
@@ -264,12 +285,26 @@ class FsspecStorage(Storage):
                 pass
             self.fs.invalidate_cache(p)
 
+    def delete_many(self, paths: Sequence[str]) -> None:
+        """Delete objects (absent is fine), ``DELETE_THREADS`` at a time; the first error is
+        raised once every delete has ended."""
+        paths = list(paths)
+        if len(paths) <= 1:
+            for path in paths:
+                self.delete(path)
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(DELETE_THREADS, len(paths))) as pool:
+            futures = [pool.submit(self.delete, path) for path in paths]
+        for fut in futures:
+            fut.result()
+
     def delete_tree(self, path: str) -> None:
         """The manifest first (the prefix stops being a checkpoint at once), then the rest."""
         items = self.list(path) or []
-        names = sorted((i.name for i in items if i.kind == "file"), key=lambda n: n != MANIFEST)
-        for name in names:
-            self.delete(self.join(path, name))
+        names = [i.name for i in items if i.kind == "file"]
+        if MANIFEST in names:
+            self.delete(self.join(path, MANIFEST))
+        self.delete_many([self.join(path, n) for n in sorted(names) if n != MANIFEST])
 
     # ------------------------------------------------------------------ publish
     def stage(self, final: str, token: str) -> str:
@@ -312,6 +347,20 @@ def _can_create(fs: Any) -> bool:
         return "mode" in inspect.signature(fs.pipe_file).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """An answer 412 Precondition Failed (or S3's 409 ConditionalRequestConflict: another
+    conditional write of the key is in flight) to a conditional write. s3fs makes it
+    FileExistsError only when the error names its condition, which AWS does and SeaweedFS
+    does not."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412
+    return False
 
 
 def _abandon(f: Any) -> None:
