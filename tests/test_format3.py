@@ -19,7 +19,8 @@ from torch import nn
 
 import safeckpt
 from safeckpt.coord import dist as _dist
-from safeckpt.engine.save import _MeshInfo, _SaveJob
+from safeckpt.engine.plan import MeshInfo, build_plan
+from safeckpt.engine.save import manifest_head
 from safeckpt.format.manifest import CHECKSUM_FIELD, dtype_size, encode_manifest, parse_manifest
 from safeckpt.format.sharding import Mesh, box_at, overlapping, writes
 from safeckpt.format.tree import Leaf
@@ -52,11 +53,6 @@ class _FakeDTensor:
         return 2
 
 
-class _Coord:
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world_size, self.is_coordinator = rank, world, rank == 0
-
-
 def _llama_like(n: int) -> list[tuple[str, list[int]]]:
     """``n`` tensor shapes like a 70B model's params + AdamW state (keys of realistic length)."""
     shapes = [[8192, 8192], [1024, 8192], [28672, 8192], [8192, 28672], [8192]]
@@ -73,11 +69,9 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
     ``world`` ranks, as the save path builds them."""
     mesh = _FakeMesh(world)
     leaves = {k: Leaf(k, _FakeDTensor(shape, mesh), "sharded") for k, shape in _llama_like(n_tensors)}
-    job = _SaveJob(_Coord(0, world), "/synthetic", {}, {}, False, 100, {}, "off")
-    job.leaves = leaves
     mesh_rec = {"shape": [world], "start": 0}
-    job.meshes = {id(mesh): _MeshInfo(mesh_rec, json.dumps(mesh_rec, sort_keys=True), Mesh(mesh_rec))}
-    plan = job._new_plan()
+    meshes = {id(mesh): MeshInfo(mesh_rec, json.dumps(mesh_rec, sort_keys=True), Mesh(mesh_rec))}
+    plan = build_plan(leaves, {}, {}, meshes, set(), 0, world)
     m = Mesh(plan.meshes[0])
     files, index_bytes = {}, {}
     for r in range(world):  # what each rank's plan writes, and its index
@@ -100,8 +94,8 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
         index_bytes[f"rank-{r:05d}.safetensors"] = len(index)
         files[f"rank-{r:05d}.safetensors"] = {"size": data + pos + len(index), "xxh3_128": "0" * 32, "rank": r,
                                               "data": data, "index": [data + pos, data + pos + len(index), "0" * 16]}
-    job.plan = plan
-    head = job._manifest_head(files, [])
+    head = manifest_head(step=100, world_size=world, metadata={}, metrics={}, files=files, rank_trees=[],
+                         meshes=plan.meshes)
     objects = {"optim": {"kind": "tree", "tree": {"state": {k: {"@tensor": k} for k in leaves}}}}
     from safeckpt.format.manifest_text import encode
 
@@ -304,22 +298,16 @@ def test_uneven_fsdp2_shards_saved_at_3_ranks_load_at_2(tmp_path):
 
 
 def test_extra_files_are_committed_with_the_checkpoint_and_verified(tmp_path):
-    from safeckpt.coord.dist import Coordinator
-    from safeckpt.engine.save import new_job
-
     path = str(tmp_path / "ck")
-    job = new_job(Coordinator(), path, {"model": _model()}, {}, False, 3, {}, "off")
-    job.extra_files = {"trainer_state.json": b'{"global_step": 3}'}
-    job.run()
+    safeckpt.save(path, {"model": _model()}, step=3, extra_files={"trainer_state.json": b'{"global_step": 3}'})
     assert (tmp_path / "ck" / "trainer_state.json").read_bytes() == b'{"global_step": 3}'
     assert safeckpt.verify(path).ok
     (tmp_path / "ck" / "trainer_state.json").write_bytes(b'{"global_step": 4}')
     report = safeckpt.verify(path)
     assert not report.ok and "trainer_state.json" in report.problems[0]
-    job = new_job(Coordinator(), str(tmp_path / "bad"), {"model": _model()}, {}, False, 3, {}, "off")
-    job.extra_files = {"manifest.json": b"{}"}
     with pytest.raises(safeckpt.CheckpointError, match="not allowed"):
-        job.run()
+        safeckpt.save(str(tmp_path / "bad"), {"model": _model()}, step=3, extra_files={"manifest.json": b"{}"})
+    assert not (tmp_path / "bad").exists()
     assert not (tmp_path / "bad").exists()
 
 

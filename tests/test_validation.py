@@ -326,7 +326,7 @@ def test_large_edited_manifest_is_refused_before_parsing(ckpt):
 def test_device_fingerprint_detects_any_changed_word():
     """The replica digest used for accelerator tensors (no device-to-host copy of the data) is
     plain torch ops; on CPU here: equal tensors agree, any changed element or dtype view differs."""
-    from safeckpt.engine.save import device_fingerprint
+    from safeckpt.engine.replicas import device_fingerprint
 
     t = torch.randn(1000, 7)
     base = device_fingerprint(t, block=1024)

@@ -21,13 +21,15 @@ from typing import Any
 from .coord.dist import Coordinator, resolve_timeout
 from .coord.lease import DEFAULT_LEASE, writer_lease
 from .coord.preempt import PreemptionWatcher
-from .engine import frozen as _frozen
 from .engine import pick as picking
 from .engine.background import AsyncSaver
 from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
+from .engine.gc_pause import paused_gc
 from .engine.load import load
-from .engine.save import SnapshotPool, _SaveJob, new_job, paused_gc, safe_extra_name
+from .engine.request import CommitHooks, SaveRequest
+from .engine.save import new_job
+from .engine.staging import SnapshotPool
 from .errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -155,17 +157,9 @@ class CheckpointManager:
         reasons = list(picked.get("damaged", []))
         if step is not None and not picked["candidates"] and not reasons:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
-        live_frozen = _frozen.has_frozen(state)
         for cand_step, path in _Candidates(self, coord, picked, reasons):
-            try:
-                target = None
-                if live_frozen:
-                    target = _frozen.for_load(state, coord.decide("layout", lambda: None, lambda _, p=path: (
-                        _frozen.saved_has_fingerprints(p, self._store))))
-                load(path, state if target is None else target, strict=strict, timeout=self.timeout,
-                     storage_options=self._options)
-                if target is not None:
-                    _frozen.copy_back(state, target)
+            try:  # frozen parameters saved as fingerprints are verified inside the load
+                load(path, state, strict=strict, timeout=self.timeout, storage_options=self._options)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 # A reason of the checkpoint (damaged, or deleted under us): the state is
                 # unchanged (loads check everything before touching it), so try an older one.
@@ -266,38 +260,36 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self.wait()  # one save in flight; raises the previous background save's error
-        if write_files is not None and (self._saver is not None or not self._store.renames):
+        if write_files is not None and self._saver is not None:
             raise CheckpointError(
                 "write_files needs a synchronous save to a filesystem: the files are written inside "
                 "the save by every rank and published by its rename (not with async_save, not on "
                 "an object store)")
-        extra = {}
-        for name, data in (extra_files or {}).items():
-            if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise TypeError(f"extra_files[{name!r}] must be bytes, got {type(data).__name__}")
-            extra[safe_extra_name(name)] = bytes(data)
         path = join(self.root, self.dirname.format(step))
-        coord = self._coord(what=f"save of step {step} to {path}")
-        state = _frozen.for_save(state, self.frozen)
-        job = new_job(coord, path, state, metadata, True, step, metrics, "auto", store=self._store)
-        job.extra_files = extra
-        job.write_files = write_files
+        request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
+                              metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
+                              frozen=self.frozen)
         # Folded into the save's own two exchanges (the coordinator runs them): the lease and the
         # sweep before staging, retention after publishing.
-        job.before_stage = lambda: self._begin(True)
-        job.after_commit = lambda saved: self._retain(True, saved)
-        job.after_commit_hint = f"The checkpoint {path} is committed; only retention failed."
+        hooks = CommitHooks(before_stage=lambda: self._begin(True),
+                            after_commit=lambda saved: self._retain(True, saved),
+                            after_commit_hint=f"The checkpoint {path} is committed; only retention failed.")
+        coord = self._coord(what=f"save of step {step} to {path}")
+        job = new_job(coord, request, store=self._store, hooks=hooks)
         if self._saver is None:
-            with paused_gc():  # the caller waits for all of it (see _SaveJob.run)
+            with paused_gc():  # the caller waits for all of it (see SaveJob.run)
                 job.agree()
-                return self._finish(job, coord)
+                return job.finish()
         with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
             job.agree()
             job.snapshot(self._pool)
-        background = self._coord("async", what=f"background save of step {step} to {path}")
-        job.coord = background
-        self._saver.submit(lambda: self._finish(job, background), f"step {step}")
+        # The background thread agrees on a gloo group of its own, one per root (the same name
+        # on every rank, whatever other managers a rank made): two async managers in one process
+        # (full state + best model) must not share one, or their threads interleave collectives.
+        background = self._coord(f"async:{self.root}", what=f"background save of step {step} to {path}")
+        self._saver.submit(lambda: job.finish(background), f"step {step}")
         return None
+
 
     def _begin(self, is_coordinator: bool) -> None:
         """Coordinator: take the writer lease, sweep leftovers of crashed saves."""
@@ -305,9 +297,6 @@ class CheckpointManager:
             return
         self._lock.acquire()
         sweep(self.root, self._store, self._dirnames)
-
-    def _finish(self, job: _SaveJob, coord: Coordinator) -> CheckpointInfo:
-        return job.finish()  # retention ran on the coordinator right after publishing
 
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:

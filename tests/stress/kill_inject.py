@@ -524,7 +524,7 @@ class Killer:
         from safeckpt.engine import save as _save
 
         killer = self
-        real = _save._SaveJob.snapshot
+        real = _save.SaveJob.snapshot
         calls = [0]
 
         def snapshot(job: Any, *args: Any, **kwargs: Any) -> Any:
@@ -537,7 +537,7 @@ class Killer:
             real(job, *args, **kwargs)
             killer.die()
 
-        _save._SaveJob.snapshot = snapshot
+        _save.SaveJob.snapshot = snapshot
 
 
 # ------------------------------------------------------------------------------- the jobs

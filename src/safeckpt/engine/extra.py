@@ -17,12 +17,13 @@ the top, hidden staging names).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpoint
-from ..format.manifest import is_written_name, written_file_path
+from ..format.manifest import MANIFEST, is_staging_name, is_written_name, written_file_path
 from ..format.shardfile import hash_file
 from ..storage.base import Storage
 
@@ -167,3 +168,14 @@ def verify_files(path: str, names: Iterable[str] | None = None, *, timeout: floa
             raise CorruptCheckpoint(f"{ckpt}: " + "; ".join(found[:5]), path=ckpt)
 
     coord.decide("check-files", mine, lambda _: None, hint="Nothing was read.")
+
+
+def safe_extra_name(name: str) -> str:
+    """An extra file's name, refused unless it is a plain file name that is not one of ours."""
+    if (not isinstance(name, str) or not _EXTRA_NAME.match(name) or name == MANIFEST
+            or name.startswith("rank-") or is_staging_name(name)):
+        raise CheckpointError(f"extra file name {name!r} is not allowed (a plain name, not manifest.json or rank-*)")
+    return name
+
+
+_EXTRA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")

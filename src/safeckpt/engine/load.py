@@ -54,10 +54,11 @@ from ..format.tree import (
 )
 from ..format.v3 import FORMAT_V3, Layout
 from ..storage.base import Storage, resolve, storage_for
+from . import frozen as _frozen
 from . import optim as _optim
+from .gc_pause import paused_gc
 from .prefault import Prefault
 from .reader import TensorReader, local_box, open_manifest, read_threads
-from .save import paused_gc
 
 
 def load(
@@ -96,13 +97,18 @@ def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict:
     store = storage_for(target, storage_options, timeout=coord.timeout)
     unchanged = "Nothing was loaded; the state is unchanged."
     jobs: list[_LoadJob] = []
+    live_frozen = _frozen.has_frozen(state)
+    views: list[dict[str, Any]] = []  # the state seen through frozen-parameter fingerprints
 
     def check() -> dict[str, Any]:
         """Every rank reads the manifest itself (ranks agree on its checksum below), plans,
         reads the indexes of the files it needs and verifies what it will copy."""
         try:
             man = open_manifest(target, store, full=False)
-            job = _LoadJob(target, man, state, strict, coord.rank, verify_checksums, coord.world_size, store)
+            if live_frozen and _frozen.ENTRY in man.get("objects", {}):  # saved as fingerprints: verify them
+                views.append(_frozen.for_load(state, True))
+            job = _LoadJob(target, man, views[0] if views else state, strict, coord.rank, verify_checksums,
+                           coord.world_size, store)
             jobs.append(job)
             job.plan()
             job.check()
@@ -124,6 +130,8 @@ def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict:
             failed = exc
         if coord.any_true(failed is not None, "apply"):  # one tiny all-reduce when all went well
             coord.run("apply", lambda: _reraise(failed))
+        if views:
+            _frozen.copy_back(state, views[0])
     finally:
         for job in jobs:
             job.close()

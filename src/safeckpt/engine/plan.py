@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from ..format.fileindex import IndexBuilder
+from ..format.manifest_text import dumps as manifest_dumps
+from ..format.sharding import Mesh, dims_of, writes
+from ..format.tree import Leaf, local_of
+from .reader import placement_of
 
 MIN_PIECE = 4 << 20
 
@@ -55,3 +61,149 @@ def plan_replicated(specs: Sequence[tuple[str, Sequence[int], int]], world_size:
         out.append(Piece(p.key, p.row_start, p.rows, p.nbytes, rank))
         heapq.heappush(loads, (load + p.nbytes, rank))
     return out
+
+
+class MeshInfo(NamedTuple):
+    """A device mesh of this save: its manifest record, that record's JSON (part of the layout
+    hash) and the Mesh built once from it (with explicit ranks, building one is O(ranks): not
+    something to redo for every tensor)."""
+
+    rec: dict[str, Any]
+    json: str
+    mesh: Mesh
+
+
+class SavePlan(NamedTuple):
+    """One rank's save plan for one layout (cached: the same every save of a training loop)."""
+
+    specs: list[tuple[str, str, Any]]  # (name in the file, tensor key, how: None | "local" | (start, rows))
+    index: IndexBuilder  # this rank's file index, chunk text cached per file layout
+    tensors_json: str  # the manifest's "tensors" object (the same on every rank)
+    meshes: list[Any]  # the manifest's "meshes"
+
+
+_PLANS: list[tuple[tuple, Any]] = []  # (plan key, SavePlan), newest last
+
+
+def cached_plan(key: tuple, build: Callable[[], SavePlan]) -> tuple[tuple, SavePlan]:
+    """The cached (key, plan) whose key equals ``key``, else (``key``, ``build()``), cached. Keys
+    hold the layout itself and are compared, not hashed: comparing costs well under the 3 ms a
+    digest of 4,000 tensors' layout takes, and the cached key object that is returned makes
+    later comparisons (the snapshot pool's) identity checks. The newest 8 plans are kept."""
+    for cached_key, plan in reversed(_PLANS):
+        if cached_key == key:
+            return cached_key, plan
+    plan = build()
+    _PLANS.append((key, plan))
+    del _PLANS[:-8]
+    return key, plan
+
+
+def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
+    """Tensors that are the same memory (tied weights: one Parameter under two names, or two
+    identical views of one storage): each maps to the first such key in sorted order, whose
+    bytes alone are written. Views that differ (another offset, shape or stride) are stored as
+    separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
+    plain = [leaf.tensor.data_ptr() for leaf in leaves.values() if leaf.scope != "sharded"]
+    if len(set(plain)) == len(plain) and len(plain) == len(leaves):
+        return {}  # no two tensors start at one address (the common case, checked in C)
+    first_at: dict[int, str] = {}  # address -> a key there
+    shared: dict[int, list[str]] = {}  # address -> every key there, where there are several
+    for k, leaf in leaves.items():
+        if 0 in leaf.shape:
+            continue
+        t = leaf.tensor
+        if leaf.scope == "sharded":
+            t = local_of(t)
+            if not t.numel():
+                continue
+        ptr = t.data_ptr()
+        other = first_at.setdefault(ptr, k)
+        if other != k:
+            shared.setdefault(ptr, [other]).append(k)
+    aliases: dict[str, str] = {}
+    for keys in shared.values():  # rare (tied weights): only these keys are sorted and compared
+        first: dict[tuple, str] = {}
+        for k in sorted(keys):
+            leaf = leaves[k]
+            t = local_of(leaf.tensor) if leaf.scope == "sharded" else leaf.tensor
+            ident = (leaf.scope, t.device, leaf.dtype, tuple(t.shape), t.stride(), tuple(leaf.shape))
+            if ident in first:
+                aliases[k] = first[ident]
+            else:
+                first[ident] = k
+    return aliases
+
+
+def build_plan(leaves: Mapping[str, Leaf], aliases: Mapping[str, str], irregular: Mapping[str, list[list[Any]]],
+               meshes_of: Mapping[int, MeshInfo], from_rank0: set[str], rank: int, world: int) -> SavePlan:
+    """This rank's save plan: what its file holds (specs and index) and the manifest's tensor
+    records, the same on every rank. ``meshes_of``: id(device mesh) -> its record, this save."""
+    specs: list[tuple[str, str, Any]] = []  # (name in file, key, how to take it from the leaf)
+    records: dict[str, tuple[str, list[int], list[int]]] = {}  # name -> (key, offsets, sizes)
+    table: dict[str, dict[str, Any]] = {}
+    meshes: list[Any] = []  # the manifest's "meshes" records
+    plan_meshes: list[Mesh] = []  # the same meshes, ready for lookups
+    mesh_ids: dict[str, int] = {}
+
+    def add(name: str, key: str, how: Any, offsets: list[int], sizes: list[int]) -> None:
+        specs.append((name, key, how))
+        records[name] = (key, offsets, sizes)
+
+    for k, leaf in sorted(leaves.items()):
+        rec: dict[str, Any] = {"dtype": leaf.dtype, "shape": leaf.shape, "scope": leaf.scope}
+        if k in aliases:
+            rec["alias_of"] = aliases[k]
+        elif leaf.scope == "sharded":
+            rec["placement"] = placement_of(leaf.tensor)
+            if k in irregular:
+                rec["boxes"] = irregular[k]
+            else:
+                info = meshes_of[id(leaf.tensor.device_mesh)]
+                mesh_json = info.json
+                if mesh_json not in mesh_ids:
+                    mesh_ids[mesh_json] = len(meshes)
+                    meshes.append(info.rec)
+                    plan_meshes.append(info.mesh)
+                rec["sharding"] = {"mesh": mesh_ids[mesh_json], "dims": dims_of(leaf.tensor)}
+        elif leaf.scope == "replicated":
+            rec["pieces"] = []
+        table[k] = rec
+
+    # Replicated: rank 0 writes the buffers DDP takes from it; the rest is spread by the plan.
+    for k in sorted(from_rank0):
+        leaf = leaves[k]
+        table[k]["pieces"] = [[0, 0, leaf.shape[0] if leaf.shape else 1]]
+        if rank == 0:
+            add(k, k, None, [0] * len(leaf.shape), leaf.shape)
+    specs_r = [(k, leaf.shape, leaf.itemsize) for k, leaf in sorted(leaves.items())
+               if leaf.scope == "replicated" and k not in aliases and k not in from_rank0]
+    for piece in plan_replicated(specs_r, world):
+        shape = leaves[piece.key].shape
+        table[piece.key]["pieces"].append([piece.rank, piece.row_start, piece.rows])
+        if piece.rank != rank:
+            continue
+        if shape and (piece.row_start, piece.rows) != (0, shape[0]):
+            add(f"{piece.key}@{piece.row_start}", piece.key, (piece.row_start, piece.rows),
+                [piece.row_start] + [0] * (len(shape) - 1), [piece.rows, *shape[1:]])
+        else:
+            add(piece.key, piece.key, None, [0] * len(shape), shape)
+    for rec in table.values():
+        if "pieces" in rec:
+            rec["pieces"].sort(key=lambda p: p[1])
+
+    for k, leaf in sorted(leaves.items()):
+        if leaf.scope == "replicated" or k in aliases:
+            continue
+        if leaf.scope == "per_rank":
+            add(k, k, None, [0] * len(leaf.shape), leaf.shape)
+        elif k in irregular:
+            for r, offsets, sizes in irregular[k]:
+                if r == rank:
+                    add(f"{k}@" + ",".join(map(str, offsets)), k, "local", offsets, sizes)
+        else:
+            sh = table[k]["sharding"]
+            box = writes(k, leaf.shape, plan_meshes[sh["mesh"]], sh["dims"], rank)
+            if box is not None:
+                add(f"{k}@" + ",".join(map(str, box[0])), k, "local", box[0], box[1])
+    return SavePlan(specs, IndexBuilder(records), manifest_dumps(table), meshes)

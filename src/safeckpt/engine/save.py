@@ -24,42 +24,38 @@ save's error); the previous checkpoint at the path is never touched.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import json
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import xxhash
 from torch import nn
 
 from .._version import __version__
-from ..coord.dist import Coordinator
+from ..coord.dist import Coordinator, resolve_timeout
 from ..errors import CheckpointError, RankMismatch
-from ..format.fileindex import IndexBuilder
 from ..format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
-from ..format.manifest_text import dumps as manifest_dumps
 from ..format.manifest_text import encode as encode_manifest_text
-from ..format.shardfile import tensor_bytes
-from ..format.sharding import Mesh, box_at, dims_of, mesh_record, writes
-from ..format.tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
+from ..format.sharding import Mesh, box_at, dims_of, mesh_record
+from ..format.tree import EncodedObject, Leaf, encode_state, local_of, param_names
 from ..storage import commit as _commit
 from ..storage.base import Storage, resolve, storage_for
 from ..storage.catalog import remember_published
 from . import extra as _extra
-from .plan import plan_replicated
-from .prefault import populate
+from . import frozen as _frozen
+from .extra import WriteFiles
+from .gc_pause import paused_gc
+from .plan import MeshInfo, SavePlan, build_plan, cached_plan, find_aliases
 from .reader import local_box as _local_box
-from .reader import placement_of
-from .staging import PendingCopies, copy_aside
-
-CHECK_REPLICAS = ("auto", "error", "warn", "off")
+from .replicas import ddp_broadcast_buffers, replica_digest
+from .request import NO_HOOKS, CommitHooks, SaveRequest
+from .staging import PendingCopies, SnapshotPool, copy_aside
 
 
 def save(
@@ -73,6 +69,10 @@ def save(
     metrics: Mapping[str, Any] | None = None,
     check_replicas: str = "auto",
     storage_options: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+    write_files: WriteFiles | None = None,
+    frozen: str = "full",
+    collective: bool = True,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path`` (collective: every rank calls it identically).
 
@@ -82,37 +82,65 @@ def save(
     ``"error"`` (RankMismatch naming the tensors, nothing written), ``"warn"`` or ``"off"``.
     ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
     credentials; see docs/how-to/object-stores.md); ignored for local paths.
+
+    ``extra_files`` (name -> bytes; plain file names, not ``manifest.json`` nor ``rank-*``):
+    small files committed inside the checkpoint (a framework's own JSON), listed in the
+    manifest with their checksum; rank 0's mapping is the one written. ``write_files(staging_dir)
+    -> [relative paths]`` (every rank; synchronous saves on a filesystem only): files each rank
+    writes itself into the checkpoint during the save, published with it (see
+    :mod:`safeckpt.engine.extra`). ``frozen="fingerprint"`` saves each frozen parameter
+    (``requires_grad=False``) of a module as a fingerprint instead of its bytes; a load verifies
+    the live model's frozen parameters against them (see :mod:`safeckpt.engine.frozen`).
     """
-    if check_replicas not in CHECK_REPLICAS:
-        raise ValueError(f"check_replicas must be one of {CHECK_REPLICAS}, got {check_replicas!r}")
-    target = resolve(path)
-    coord = Coordinator(timeout, what=f"save to {target}")
-    store = storage_for(target, storage_options, timeout=coord.timeout)
-    job = new_job(coord, target, state, metadata, overwrite, step, metrics, check_replicas, store=store)
-    return job.run()
+    request = SaveRequest(target=resolve(path), state=state, metadata=metadata, overwrite=overwrite, step=step,
+                          metrics=metrics, check_replicas=check_replicas, extra_files=extra_files or {},
+                          write_files=write_files, frozen=frozen)
+    what = f"save to {request.target}"
+    coord = Coordinator(timeout, what=what) if collective else _ThisProcess(timeout, what)
+    store = storage_for(request.target, storage_options, timeout=coord.timeout)
+    return new_job(coord, request, store=store).run()
 
 
-def new_job(coord: Coordinator, target: str, *args: Any, store: Storage | None = None) -> _SaveJob:
-    """The save job for ``target`` (a local directory or an fsspec URL) on ``store`` (default:
-    the storage of ``target`` without options)."""
-    job = _SaveJob(coord, target, *args)
-    job.store = store or storage_for(target, timeout=getattr(coord, "timeout", None))
-    return job
+class _ThisProcess(Coordinator):
+    """A Coordinator for a save this process makes on its own, even inside a process group."""
+
+    def __init__(self, timeout: float | None, what: str) -> None:
+        self.timeout = resolve_timeout(timeout)
+        self.what = what
+        self.rank, self.world_size, self._state = 0, 1, None
 
 
-class _SaveJob:
-    store: Storage  # where the files go (set by new_job)
+def new_job(coord: Coordinator, request: SaveRequest, *, store: Storage | None = None,
+            hooks: CommitHooks = NO_HOOKS) -> SaveJob:
+    """The save job of ``request`` on ``store`` (default: the storage of its target without
+    options), agreeing through ``coord``."""
+    if request.write_files is not None and store is not None and not store.renames:
+        raise CheckpointError(
+            "write_files needs a synchronous save to a filesystem: the files are written inside "
+            "the save by every rank and published by its rename (not on an object store)")
+    store = store or storage_for(request.target, timeout=getattr(coord, "timeout", None))
+    return SaveJob(coord, request, store, hooks)
 
-    def __init__(self, coord: Coordinator, target: str, state: Mapping[str, Any], metadata: Any,
-                 overwrite: bool, step: int | None, metrics: Any, check_replicas: str) -> None:
+
+class SaveJob:
+    """One save in progress: :meth:`agree` (and, for an async save, :meth:`snapshot`), then
+    :meth:`finish`; :meth:`run` does all of it for a synchronous save."""
+
+    def __init__(self, coord: Coordinator, request: SaveRequest, store: Storage, hooks: CommitHooks) -> None:
         self.coord = coord
-        self.target = target
-        self.state = state
-        self.metadata = dict(metadata or {})
-        self.metrics = dict(metrics or {})
-        self.overwrite = overwrite
-        self.step = step
-        self.check_replicas = check_replicas
+        self.request = request
+        self.store = store
+        self.hooks = hooks
+        self.target = request.target
+        # Frozen parameters as fingerprints: the state the core saves has them replaced.
+        self.state = _frozen.for_save(request.state, request.frozen)
+        self.metadata = dict(request.metadata or {})
+        self.metrics = dict(request.metrics or {})
+        self.overwrite = request.overwrite
+        self.step = request.step
+        self.check_replicas = request.check_replicas
+        self.extra_files = request.extra_files
+        self.write_files = request.write_files
         self.objects: list[EncodedObject] = []
         self.leaves: dict[str, Leaf] = {}
         self.items: list[tuple[str, torch.Tensor]] = []
@@ -123,21 +151,7 @@ class _SaveJob:
         self.irregular: dict[str, list[list[Any]]] = {}  # key -> [[writer rank, offsets, sizes]]
         self.rank0_trees = ""  # hash of rank 0's object trees (see _agree)
         self.rank0_tree_hashes: dict[str, str] = {}  # rank 0's hash of each tree, when some rank's differ
-        self.plan: _Plan | None = None
-        # Coordinator hooks (the manager's): run before staging (take the lease, sweep), and
-        # after publishing (retention; its error is reported, the checkpoint stays committed).
-        self.before_stage: Callable[[], None] | None = None
-        self.after_commit: Callable[[int | None], None] | None = None
-        self.after_commit_hint = ""
-        # Small files the coordinator adds to the checkpoint (a framework's own JSON, such as
-        # Trainer's trainer_state.json): inside the commit where the storage renames a staging
-        # directory; on object stores before the manifest PUT, except on an overwrite (see
-        # storage.commit). Listed in the manifest's "extra" with size and checksum (verify
-        # checks them).
-        self.extra_files: dict[str, bytes] = {}
-        # Files every rank writes itself during the write phase (``_extra.WriteFiles``: a
-        # DeepSpeed engine's checkpoint), hashed by that rank, listed in the manifest's "written".
-        self.write_files: _extra.WriteFiles | None = None
+        self.plan: SavePlan | None = None
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -170,8 +184,12 @@ class _SaveJob:
         self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
         self.state = {}
 
-    def finish(self) -> CheckpointInfo:
-        """Phase 2: write (all ranks), then check, write the manifest and publish (coordinator)."""
+    def finish(self, coord: Coordinator | None = None) -> CheckpointInfo:
+        """Phase 2: write (all ranks), then check, write the manifest and publish (coordinator).
+        ``coord``: where this phase agrees, when not where the save began (an async save's
+        background thread has a group of its own)."""
+        if coord is not None:
+            self.coord = coord
         self.copies.wait()  # an async save's device-to-host copies
         staging = self.staging
         try:
@@ -190,7 +208,7 @@ class _SaveJob:
         if incomplete is not None:  # published, so the failure hint of the phase would be wrong
             raise CheckpointError(f"{self.coord.what}: {incomplete}" + (f"; then {after}" if after else ""))
         if after is not None:
-            raise CheckpointError(f"{self.coord.what}: {after}. {self.after_commit_hint}".rstrip())
+            raise CheckpointError(f"{self.coord.what}: {after}. {self.hooks.after_commit_hint}".rstrip())
         return CheckpointInfo(**{**info, "metrics": self.metrics, "metadata": self.metadata})
 
     # ---------------------------------------------------------------- agreement
@@ -215,7 +233,7 @@ class _SaveJob:
         self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
                            for k in ddp_broadcast_buffers(name, v)
                            if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
-        self.meshes: dict[int, _MeshInfo] = {}  # id(device mesh) -> its record, this save
+        self.meshes: dict[int, MeshInfo] = {}  # id(device mesh) -> its record, this save
         layout = self._layout()
         self.layout = layout
         # A digest for the other ranks to compare with theirs; one rank agrees with itself, and
@@ -256,7 +274,7 @@ class _SaveJob:
         known = self.meshes.get(id(mesh))
         if known is None:
             rec = mesh_record(t)
-            known = self.meshes[id(mesh)] = _MeshInfo(rec, json.dumps(rec, sort_keys=True), Mesh(rec))
+            known = self.meshes[id(mesh)] = MeshInfo(rec, json.dumps(rec, sort_keys=True), Mesh(rec))
         return [known.json, dims_of(t) or [str(p) for p in t.placements]]
 
     def _irregular_boxes(self) -> dict[str, Any]:
@@ -359,8 +377,8 @@ class _SaveJob:
     def _stage(self, agreed: list[dict[str, Any]]) -> dict[str, Any]:
         """Coordinator: writers of irregular shards, then the manager's hook and the staging."""
         irregular = self._owners([a["irregular"] for a in agreed])
-        if self.before_stage is not None:
-            self.before_stage()
+        if self.hooks.before_stage is not None:
+            self.hooks.before_stage()
         staging = _commit.begin(self.store, self.target, self.overwrite)
         # Rank 0's hash of each object tree, only when some rank's trees differ from them (RNG
         # states, data positions): each such rank then stores just the trees that differ.
@@ -397,11 +415,9 @@ class _SaveJob:
             return
         layout, self.layout = self.layout, None  # freed now if an equal plan is cached (8,000 lists)
         key = (layout, json.dumps(self.irregular, sort_keys=True), self.coord.rank, self.coord.world_size)
-        self.plan_key, cached = _cached_plan(key)
-        if cached is None:
-            cached = self._new_plan()
-            _PLANS.append((self.plan_key, cached))
-            del _PLANS[:-8]
+        self.plan_key, cached = cached_plan(key, lambda: build_plan(
+            self.leaves, self.aliases, self.irregular, self.meshes, self.from_rank0, self.coord.rank,
+            self.coord.world_size))
         self.plan = cached
         items = []
         leaves = self.leaves
@@ -411,77 +427,6 @@ class _SaveJob:
                 t = local_of(t) if how == "local" else t.narrow(0, *how)
             items.append((name, t))
         self.items = items
-
-    def _new_plan(self) -> _Plan:
-        rank, world = self.coord.rank, self.coord.world_size
-        specs: list[tuple[str, str, Any]] = []  # (name in file, key, how to take it from the leaf)
-        records: dict[str, tuple[str, list[int], list[int]]] = {}  # name -> (key, offsets, sizes)
-        table: dict[str, dict[str, Any]] = {}
-        meshes: list[Any] = []  # the manifest's "meshes" records
-        plan_meshes: list[Mesh] = []  # the same meshes, ready for lookups
-        mesh_ids: dict[str, int] = {}
-
-        def add(name: str, key: str, how: Any, offsets: list[int], sizes: list[int]) -> None:
-            specs.append((name, key, how))
-            records[name] = (key, offsets, sizes)
-
-        for k, leaf in sorted(self.leaves.items()):
-            rec: dict[str, Any] = {"dtype": leaf.dtype, "shape": leaf.shape, "scope": leaf.scope}
-            if k in self.aliases:
-                rec["alias_of"] = self.aliases[k]
-            elif leaf.scope == "sharded":
-                rec["placement"] = placement_of(leaf.tensor)
-                if k in self.irregular:
-                    rec["boxes"] = self.irregular[k]
-                else:
-                    info = self.meshes[id(leaf.tensor.device_mesh)]
-                    mesh_json = info.json
-                    if mesh_json not in mesh_ids:
-                        mesh_ids[mesh_json] = len(meshes)
-                        meshes.append(info.rec)
-                        plan_meshes.append(info.mesh)
-                    rec["sharding"] = {"mesh": mesh_ids[mesh_json], "dims": dims_of(leaf.tensor)}
-            elif leaf.scope == "replicated":
-                rec["pieces"] = []
-            table[k] = rec
-
-        # Replicated: rank 0 writes the buffers DDP takes from it; the rest is spread by the plan.
-        for k in sorted(self.from_rank0):
-            leaf = self.leaves[k]
-            table[k]["pieces"] = [[0, 0, leaf.shape[0] if leaf.shape else 1]]
-            if rank == 0:
-                add(k, k, None, [0] * len(leaf.shape), leaf.shape)
-        specs_r = [(k, leaf.shape, leaf.itemsize) for k, leaf in sorted(self.leaves.items())
-                   if leaf.scope == "replicated" and k not in self.aliases and k not in self.from_rank0]
-        for piece in plan_replicated(specs_r, world):
-            shape = self.leaves[piece.key].shape
-            table[piece.key]["pieces"].append([piece.rank, piece.row_start, piece.rows])
-            if piece.rank != rank:
-                continue
-            if shape and (piece.row_start, piece.rows) != (0, shape[0]):
-                add(f"{piece.key}@{piece.row_start}", piece.key, (piece.row_start, piece.rows),
-                    [piece.row_start] + [0] * (len(shape) - 1), [piece.rows, *shape[1:]])
-            else:
-                add(piece.key, piece.key, None, [0] * len(shape), shape)
-        for rec in table.values():
-            if "pieces" in rec:
-                rec["pieces"].sort(key=lambda p: p[1])
-
-        for k, leaf in sorted(self.leaves.items()):
-            if leaf.scope == "replicated" or k in self.aliases:
-                continue
-            if leaf.scope == "per_rank":
-                add(k, k, None, [0] * len(leaf.shape), leaf.shape)
-            elif k in self.irregular:
-                for r, offsets, sizes in self.irregular[k]:
-                    if r == rank:
-                        add(f"{k}@" + ",".join(map(str, offsets)), k, "local", offsets, sizes)
-            else:
-                sh = table[k]["sharding"]
-                box = writes(k, leaf.shape, plan_meshes[sh["mesh"]], sh["dims"], rank)
-                if box is not None:
-                    add(f"{k}@" + ",".join(map(str, box[0])), k, "local", box[0], box[1])
-        return _Plan(specs, IndexBuilder(records), manifest_dumps(table), meshes)
 
     # -------------------------------------------------------------------- write
     def _write(self, staging: dict[str, str] | None) -> dict[str, Any]:
@@ -519,7 +464,7 @@ class _SaveJob:
         if self.write_files is not None:  # one record per file, from the rank that wrote it
             head["written"] = _extra.merge([w.get("written") for w in written],
                                            {*files, *self.extra_files, MANIFEST}, self.store, staging["path"])
-        extras = {safe_extra_name(name): data for name, data in self.extra_files.items()}
+        extras = dict(self.extra_files)  # names checked by the request
         objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
         raw = encode_manifest_text(head, objects, self.plan.tensors_json)
         late = _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files,
@@ -528,12 +473,12 @@ class _SaveJob:
         info = self._committed_info(head, files)
         if late is not None:
             info["incomplete_error"] = late
-        if self.after_commit is not None:
+        if self.hooks.after_commit is not None:
             mark = getattr(self.coord, "mark_done", None)
             if mark is not None:
                 mark()  # published: a peer that loses rank 0 during retention can tell
             try:
-                self.after_commit(self.step)
+                self.hooks.after_commit(self.step)
             except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: say so on every rank
                 info["after_commit_error"] = f"{type(exc).__name__}: {exc}"
         return info
@@ -549,56 +494,9 @@ class _SaveJob:
         }
 
     def _manifest_head(self, files: dict[str, Any], rank_trees: list[int]) -> dict[str, Any]:
-        """The manifest's top-level fields before ``objects`` and ``tensors``."""
         assert self.plan is not None
-        now = time.time()
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": self.step,
-            "world_size": self.coord.world_size,
-            "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
-            "created_unix": now,
-            "safeckpt_version": __version__,
-            "torch_version": torch.__version__,
-            "metadata": self.metadata,
-            "metrics": self.metrics,
-            "files": files,
-            "rank_trees": rank_trees,
-            "meshes": self.plan.meshes,
-        }
-
-
-class _MeshInfo(NamedTuple):
-    """A device mesh of this save: its manifest record, that record's JSON (part of the layout
-    hash) and the Mesh built once from it (with explicit ranks, building one is O(ranks): not
-    something to redo for every tensor)."""
-
-    rec: dict[str, Any]
-    json: str
-    mesh: Mesh
-
-
-class _Plan(NamedTuple):
-    """One rank's save plan for one layout (cached: the same every save of a training loop)."""
-
-    specs: list[tuple[str, str, Any]]  # (name in the file, tensor key, how: None | "local" | (start, rows))
-    index: IndexBuilder  # this rank's file index, chunk text cached per file layout
-    tensors_json: str  # the manifest's "tensors" object (the same on every rank)
-    meshes: list[Any]  # the manifest's "meshes"
-
-
-def safe_extra_name(name: str) -> str:
-    """An extra file's name, refused unless it is a plain file name that is not one of ours."""
-    from ..format.manifest import MANIFEST, is_staging_name
-
-    if (not isinstance(name, str) or not _EXTRA_NAME.match(name) or name == MANIFEST
-            or name.startswith("rank-") or is_staging_name(name)):
-        raise CheckpointError(f"extra file name {name!r} is not allowed (a plain name, not manifest.json or rank-*)")
-    return name
-
-
-_EXTRA_NAME = __import__("re").compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+        return manifest_head(step=self.step, world_size=self.coord.world_size, metadata=self.metadata,
+                             metrics=self.metrics, files=files, rank_trees=rank_trees, meshes=self.plan.meshes)
 
 
 def _single_ref(tree: Any) -> bool:
@@ -610,117 +508,6 @@ def _raise(exc: BaseException) -> Any:
     raise exc
 
 
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection while the training loop waits on us. A save of thousands
-    of tensors allocates tens of thousands of small objects, which triggers collections whose
-    cost grows with the whole heap of the training process (the profile of an async save of
-    4,000 tensors showed most of its time in collections landing in our allocations). The
-    objects are freed by reference counting anyway; GC resumes right after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-_PLANS: list[tuple[tuple, Any]] = []  # (plan key, _Plan), newest last
-
-
-def _cached_plan(key: tuple) -> tuple[tuple, Any]:
-    """The cached (key, plan) whose key equals ``key``, else (``key``, None). Keys hold the
-    layout itself and are compared, not hashed: comparing costs well under the 3 ms a digest
-    of 4,000 tensors' layout takes, and the cached key object that is returned makes later
-    comparisons (the snapshot pool's) identity checks."""
-    for cached_key, plan in reversed(_PLANS):
-        if cached_key == key:
-            return cached_key, plan
-    return key, None
-
-
-class SnapshotPool:
-    """Reusable staging buffers for async saves (pinned when CUDA is present): allocated for
-    the first save of a layout, reused as they are by every later save of the same layout."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.items: list[tuple[str, torch.Tensor]] = []
-        self.bufs: list[torch.Tensor] = []
-        self.by_name: dict[str, torch.Tensor] = {}
-
-    def staged(self, key: tuple, items: list[tuple[str, torch.Tensor]]
-               ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-        """The write items with a buffer in place of each tensor, and the buffers. The same
-        lists for every save of the same plan (building them cost ~0.5 ms for 4,000 tensors)."""
-        if key == self.key and len(self.bufs) == len(items):
-            return self.items, self.bufs
-        bufs = []
-        for name, src in items:
-            buf = self.by_name.get(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                pinned = torch.cuda.is_available()  # page-locked: its pages exist already
-                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
-                if not pinned:
-                    populate(buf)  # new pages faulted in with one call, not one per 4 KiB of the copy
-            bufs.append(buf)
-        self.key, self.bufs = key, bufs
-        self.items = [(name, buf) for (name, _), buf in zip(items, bufs, strict=True)]
-        self.by_name = dict(self.items)
-        return self.items, bufs
-
-
-def ddp_broadcast_buffers(name: str, value: Any) -> list[str]:
-    """Tensor keys of the buffers of a DDP module that broadcasts them (the default): DDP
-    copies rank 0's buffers to every rank at the start of each forward, so between a step and
-    the next forward the ranks legitimately differ (BatchNorm running stats) and rank 0's
-    values are the model's. They are written from rank 0 and left out of the replica check."""
-    seen = value
-    while isinstance(seen, nn.Module) and not isinstance(seen, nn.parallel.DistributedDataParallel):
-        seen = getattr(seen, "_orig_mod", None)
-    if not isinstance(seen, nn.parallel.DistributedDataParallel) or not getattr(seen, "broadcast_buffers", False):
-        return []
-    prefix = escape_key(name)
-    return [f"{prefix}/{escape_key(fqn)}" for fqn, _ in seen.module.named_buffers()]
-
-
-def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
-    """Tensors that are the same memory (tied weights: one Parameter under two names, or two
-    identical views of one storage): each maps to the first such key in sorted order, whose
-    bytes alone are written. Views that differ (another offset, shape or stride) are stored as
-    separate tensors. Computed from the tensors alone, so every rank finds the same aliases."""
-    plain = [leaf.tensor.data_ptr() for leaf in leaves.values() if leaf.scope != "sharded"]
-    if len(set(plain)) == len(plain) and len(plain) == len(leaves):
-        return {}  # no two tensors start at one address (the common case, checked in C)
-    first_at: dict[int, str] = {}  # address -> a key there
-    shared: dict[int, list[str]] = {}  # address -> every key there, where there are several
-    for k, leaf in leaves.items():
-        if 0 in leaf.shape:
-            continue
-        t = leaf.tensor
-        if leaf.scope == "sharded":
-            t = local_of(t)
-            if not t.numel():
-                continue
-        ptr = t.data_ptr()
-        other = first_at.setdefault(ptr, k)
-        if other != k:
-            shared.setdefault(ptr, [other]).append(k)
-    aliases: dict[str, str] = {}
-    for keys in shared.values():  # rare (tied weights): only these keys are sorted and compared
-        first: dict[tuple, str] = {}
-        for k in sorted(keys):
-            leaf = leaves[k]
-            t = local_of(leaf.tensor) if leaf.scope == "sharded" else leaf.tensor
-            ident = (leaf.scope, t.device, leaf.dtype, tuple(t.shape), t.stride(), tuple(leaf.shape))
-            if ident in first:
-                aliases[k] = first[ident]
-            else:
-                first[ident] = k
-    return aliases
-
-
 def _first_duplicate(leaves: list[Leaf]) -> str:
     """The first key that two of ``leaves`` share."""
     seen: set[str] = set()
@@ -729,31 +516,6 @@ def _first_duplicate(leaves: list[Leaf]) -> str:
             return leaf.key
         seen.add(leaf.key)
     return ""
-
-
-def replica_digest(t: torch.Tensor) -> str:
-    """A digest of a tensor's bytes for the replica check: xxh3-64 on the CPU; for an
-    accelerator tensor a position-weighted sum computed on the device (no device-to-host copy of
-    the tensor, only of the 8-byte result)."""
-    if t.device.type == "cpu":
-        return xxhash.xxh3_64_hexdigest(tensor_bytes(t))
-    return f"dev-{device_fingerprint(t)}"
-
-
-def device_fingerprint(t: torch.Tensor, block: int = 1 << 24) -> int:
-    """Sum over int32 words w_i of w_i * (2*i + 1) (mod 2**63): any single changed word changes
-    it (odd weights), computed in blocks to bound temporary memory. Works on any device."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    pad = (-data.numel()) % 4
-    if pad:
-        data = torch.cat([data, data.new_zeros(pad)])
-    words = data.view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for lo in range(0, words.numel(), block):
-        w = words[lo : lo + block].to(torch.int64)
-        weights = torch.arange(lo, lo + w.numel(), device=t.device, dtype=torch.int64) * 2 + 1
-        total += (w * weights).sum()
-    return int(total.item()) ^ (t.numel() << 1)
 
 
 def _layout_differences(layouts: list[Any]) -> list[str]:
@@ -789,3 +551,23 @@ def _retry_missing_dir(fn: Any, staging: str, attempts: int = 50) -> Any:
                 ) from None
             time.sleep(0.1)
 
+
+def manifest_head(*, step: int | None, world_size: int, metadata: Mapping[str, Any], metrics: Mapping[str, Any],
+                  files: dict[str, Any], rank_trees: list[int], meshes: list[Any]) -> dict[str, Any]:
+    """A manifest's top-level fields before ``objects`` and ``tensors`` (every save path's)."""
+    now = time.time()
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "created_unix": now,
+        "safeckpt_version": __version__,
+        "torch_version": torch.__version__,
+        "metadata": metadata,
+        "metrics": metrics,
+        "files": files,
+        "rank_trees": rank_trees,
+        "meshes": meshes,
+    }

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .prefault import populate
+
 _SIDE_STREAMS: dict[Any, Any] = {}  # device -> the stream the copies of that device run on
 
 
@@ -80,3 +82,34 @@ def _copy_from_device(device: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]
     done.record(stream)
     producer.wait_event(done)
     return done
+
+
+class SnapshotPool:
+    """Reusable staging buffers for async saves (pinned when CUDA is present): allocated for
+    the first save of a layout, reused as they are by every later save of the same layout."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.items: list[tuple[str, torch.Tensor]] = []
+        self.bufs: list[torch.Tensor] = []
+        self.by_name: dict[str, torch.Tensor] = {}
+
+    def staged(self, key: tuple, items: list[tuple[str, torch.Tensor]]
+               ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The write items with a buffer in place of each tensor, and the buffers. The same
+        lists for every save of the same plan (building them cost ~0.5 ms for 4,000 tensors)."""
+        if key == self.key and len(self.bufs) == len(items):
+            return self.items, self.bufs
+        bufs = []
+        for name, src in items:
+            buf = self.by_name.get(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                pinned = torch.cuda.is_available()  # page-locked: its pages exist already
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pinned)
+                if not pinned:
+                    populate(buf)  # new pages faulted in with one call, not one per 4 KiB of the copy
+            bufs.append(buf)
+        self.key, self.bufs = key, bufs
+        self.items = [(name, buf) for (name, _), buf in zip(items, bufs, strict=True)]
+        self.by_name = dict(self.items)
+        return self.items, bufs

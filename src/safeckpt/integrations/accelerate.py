@@ -41,7 +41,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .. import CheckpointManager, PerRank, RNGState
+from .. import CheckpointManager, PerRank, RNGState, load
 from ..errors import (
     CheckpointError,
     CheckpointExists,
@@ -226,7 +226,7 @@ def _load_with_engines(acc: Accelerator, input_dir: str | os.PathLike[str] | Non
 
     def check_and_load(path: str) -> None:
         ds.check_engine(path, tags=tags, timeout=timeout)
-        common.load_checkpoint(path, state, timeout=timeout)
+        load(path, state, timeout=timeout)
 
     if input_dir is None:
         if not acc.project_configuration.automatic_checkpoint_naming:
@@ -300,7 +300,7 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike[str] | None = None
                 del state[f"model_{i}"]
             common.load_entries(path, state, timeout=timeout, where="load_state")
         else:
-            common.load_checkpoint(path, state, timeout=timeout)
+            load(path, state, timeout=timeout)
     _apply(acc, state)
     return path
 

@@ -44,7 +44,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from .. import CheckpointManager, RNGState
+from .. import CheckpointManager, RNGState, load
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -438,7 +438,7 @@ class SafeckptTrainerMixin(Trainer):
                 common.agree_all(lambda: common.load_through_override(model, path, "model", sd, prints, "resume"),
                                  "resume")
             else:
-                common.load_checkpoint(path, state, strict=True, timeout=self.safeckpt_timeout)
+                load(path, state, strict=True, timeout=self.safeckpt_timeout)
         except IncompatibleCheckpoint as exc:
             raise IncompatibleCheckpoint(
                 f"cannot resume from {path}: it does not hold exactly what this Trainer saves "

@@ -237,7 +237,7 @@ class SafeckptStrategyMixin:
                                             "checkpoint"))
         self._sync_ddp_buffers()
         safeckpt.save(
-            os.fspath(filepath), _frozen.for_save(state, self.frozen), overwrite=True, step=step_of(checkpoint),
+            os.fspath(filepath), state, overwrite=True, step=step_of(checkpoint), frozen=self.frozen,
             metadata=metadata(checkpoint, not full), timeout=self.checkpoint_timeout,
         )
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from ... import verify
+from ... import save, verify
 from ..._version import __version__
 from ...errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 
@@ -41,11 +41,10 @@ from ...errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 # a refactor of them breaks one import block): the coordinator and one-process saves, the
 # POSIX commit primitives, leftover sweeping, name checks and file hashing.
 from ...storage.catalog import leftovers, remove_entry  # isort: skip
-from ...coord.dist import Coordinator, resolve_timeout  # isort: skip
 from ...format.manifest import safe_file_path, staging_name  # isort: skip
-from ...engine.save import new_job  # isort: skip
 from ...format.shardfile import hash_file  # isort: skip
-from ...storage.base import resolve  # isort: skip
+from ...coord.dist import Coordinator as Coordinator  # isort: skip  (re-exported)
+from ...storage.base import resolve as resolve  # isort: skip  (re-exported)
 from ...storage.posix import fsync_dir, rename_publish, write_bytes_atomic  # isort: skip
 from ...storage.posix import remove_tree as remove_tree  # isort: skip  (re-exported)
 
@@ -81,15 +80,6 @@ def check_tag(tag: str) -> str:
 
 
 # ------------------------------------------------------------------ writing
-class _ThisProcess(Coordinator):
-    """A Coordinator for a save this process makes on its own, even inside a process group."""
-
-    def __init__(self, timeout: float | None, what: str) -> None:
-        self.timeout = resolve_timeout(timeout)
-        self.what = what
-        self.rank, self.world_size, self._state = 0, 1, None
-
-
 def save_local(path: str, state: dict[str, Any], *, metadata: dict[str, Any], timeout: float | None) -> None:
     """Write ``state`` to ``path`` as a one-rank safeckpt checkpoint, without any collective.
 
@@ -97,9 +87,7 @@ def save_local(path: str, state: dict[str, Any], *, metadata: dict[str, Any], ti
     on the ranks that own it, so each file is its own single-rank checkpoint (atomic, fsynced,
     checksummed) inside the tag's staging directory.
     """
-    target = resolve(path)
-    job = new_job(_ThisProcess(timeout, f"save of {target}"), target, state, metadata, False, None, None, "off")
-    job.run()
+    save(path, state, metadata=metadata, timeout=timeout, check_replicas="off", collective=False)
 
 
 def new_staging(final: str) -> str:

@@ -218,8 +218,10 @@ def load_entries(path: str, state: MutableMapping[str, Any], *, timeout: float |
     unlike ``strict=False``, refuses anything missing or mismatched in the entries asked for (a
     missing piece is an error, never a skip), before anything is changed.
     """
-    try:
-        return load_checkpoint(path, state, strict="entries", timeout=timeout)
+    from ... import load
+
+    try:  # frozen parameters saved as fingerprints are verified by the load itself
+        return load(path, state, strict="entries", timeout=timeout)
     except IncompatibleCheckpoint as exc:  # raised in the plan, on every rank: nothing changed
         raise IncompatibleCheckpoint(f"{where}: {exc}") from exc
 
@@ -255,43 +257,16 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
     return {name: decode(tree, lambda key: None) for name, tree in trees.items()}
 
 
-def load_checkpoint(path: str, state: MutableMapping[str, Any], *, strict: bool | str = True,
-                    timeout: float | None = None) -> Any:
-    """``safeckpt.load`` that reads a checkpoint saved with frozen-parameter fingerprints
-    (``safeckpt.engine.frozen``) into a live model holding those frozen parameters (collective)."""
-    from ... import load
-    from ...engine import frozen as _frozen
-    from ...storage.base import storage_for
-
-    target = None
-    if _frozen.has_frozen(state):
-        target = _frozen.for_load(state, share_from_rank0(
-            lambda: _frozen.saved_has_fingerprints(path, storage_for(path))))
-    info = load(path, state if target is None else target, strict=strict, timeout=timeout)
-    if target is not None:
-        _frozen.copy_back(state, target)
-    return info
-
-
 def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | None = None,
                     frozen: str = "fingerprint", extra_files: Mapping[str, bytes] | None = None,
                     write_files: Any = None) -> Any:
     """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective);
     ``extra_files`` (rank 0's) and the files ``write_files`` makes every rank write (a
     DeepSpeed engine's) are committed inside the checkpoint (as ``CheckpointManager.save``)."""
-    from ...coord.dist import Coordinator
-    from ...engine import frozen as _frozen
-    from ...engine.save import new_job, safe_extra_name
-    from ...storage.base import resolve, storage_for
+    from ... import save
 
-    target = resolve(path)
-    extra = {safe_extra_name(k): bytes(v) for k, v in (extra_files or {}).items()}
-    coord = Coordinator(timeout, what=f"save to {target}")
-    job = new_job(coord, target, _frozen.for_save(state, _frozen.check_frozen_mode(frozen)), None,
-                  True, None, None, "auto", store=storage_for(target, None, timeout=coord.timeout))
-    job.extra_files = extra
-    job.write_files = write_files
-    return job.run()
+    return save(path, state, overwrite=True, timeout=timeout, frozen=frozen, extra_files=extra_files,
+                write_files=write_files)
 
 
 def overrides_load_state_dict(model: Any) -> bool:
@@ -392,7 +367,7 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
 
 def read_hook_files(directory: str, where: str) -> dict[str, bytes]:
     """The plain files a user hook wrote into ``directory``, as extra files of a checkpoint."""
-    from ...engine.save import safe_extra_name
+    from ...engine.extra import safe_extra_name
 
     out: dict[str, bytes] = {}
     for name in sorted(os.listdir(directory)):
