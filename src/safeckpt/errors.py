@@ -7,7 +7,9 @@
     ├── IncompatibleCheckpoint   keys/shapes/dtypes do not fit the target on a strict load
     ├── CheckpointNotFound (FileNotFoundError)
     ├── CheckpointExists (FileExistsError)  target exists and overwrite=False
-    └── CheckpointLocked         another live job holds the checkpoint root
+    ├── CheckpointLocked         another live job holds the checkpoint root
+    └── StorageError             the storage refused or failed a request (not the checkpoint's fault)
+        └── StorageUnavailable   a read kept failing for a reason that can pass (EMFILE, EIO, ESTALE)
 
 Errors carry structured fields (``rank``, ``path``, ``failures``) so callers need not parse
 messages. Messages say what happened, on which rank, and what to do next.
@@ -91,6 +93,27 @@ class CheckpointLocked(CheckpointError):
     exit_code = 7
 
 
+class StorageError(CheckpointError):
+    """The storage service failed or refused a request (unreachable or hung endpoint, missing
+    or wrong credentials, access denied). Nothing about the checkpoint itself is known.
+    (Defined here so that the format layer can raise it; ``safeckpt.storage.base`` exports it.)"""
+
+    exit_code = 74  # the CLI's "the system or the object store refused"
+
+
+class StorageUnavailable(StorageError):
+    """Reading a checkpoint's file kept failing, after a few tries, for a reason that says
+    nothing about the checkpoint (too many open files, an I/O error, a stale NFS handle): the
+    checkpoint may be fine, so a restore must not fall back to an older one. Raised on every
+    rank of a collective load (portable). ``errno`` is the last OS error number."""
+
+    errno: int | None = None
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 class SafeckptWarning(UserWarning):
     """Warnings about recoverable surprises (fallbacks, resharding of per-rank state)."""
 
@@ -104,4 +127,5 @@ PORTABLE_ERRORS: tuple[type[CheckpointError], ...] = (
     CheckpointNotFound,
     CheckpointExists,
     CheckpointLocked,
+    StorageUnavailable,  # a transient read failure: the same on every rank, never a fallback
 )

@@ -9,11 +9,14 @@ costs only what the new shard needs. Chunks read whole are verified against thei
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
 from typing import Any
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, StorageUnavailable
 from ..format.manifest import dtype_size, safe_file_path, torch_dtype
 from ..format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
 from ..format.sharding import box_at, dims_of
@@ -37,6 +40,11 @@ READ_THREADS = 4  # at most this many reads and hashes in flight at once on loca
 # state of 4,000 x 16 KiB spent most of its load in per-chunk futures and calls).
 SMALL_CHUNK = min(1 << 20, HASH_BUFFER)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Local data files a reader keeps open at once (a DDP load of a 1,000-rank checkpoint reads
+# every rank's file): the least recently used idle one is closed beyond that. Each open file
+# may hold three descriptors (its own and those of two mappings), so the cap is also kept
+# under a quarter of the descriptors the process has left (see max_open_files).
+MAX_OPEN_FILES = 64
 
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads) -> reader threads
@@ -64,6 +72,24 @@ def read_threads(ranks_on_machine: int = 1) -> int:
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(READ_THREADS, 2 * cpus // max(1, ranks_on_machine)))
+
+
+def max_open_files() -> int:
+    """How many local data files one reader keeps open: MAX_OPEN_FILES, or fewer under a low
+    open-file limit (a quarter of the descriptors still free), at least 2."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # not POSIX
+        return MAX_OPEN_FILES
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return MAX_OPEN_FILES
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc: assume a busy process
+        used = min(soft // 2, 256)
+    return max(2, min(MAX_OPEN_FILES, (soft - used) // 4))
 
 
 def local_box(t: torch.Tensor) -> Box:
@@ -166,8 +192,7 @@ def _read_vectored(f: Any, start: int, bufs: list[Any], total: int) -> None:
     """Fill ``bufs``, which lie back to back in local file ``f`` from ``start`` (``total`` bytes
     together), with one preadv; after a short read, the rest buffer by buffer (read_into
     raises CorruptCheckpoint at the end of the file). A file without an fd: all by read_into."""
-    fd = getattr(f, "fd", None)
-    got = os.preadv(fd, bufs, start) if fd is not None else 0
+    got = f.preadv(bufs, start) if hasattr(f, "preadv") else 0
     if got == total:
         return
     pos = 0
@@ -200,7 +225,15 @@ class TensorReader:
         self.man = manifest
         self.rank = rank
         self.verify = verify
-        self._files: dict[str, Any] = {}  # MappedFile, or _rangedfile.RemoteFile for a URL
+        # Open files (MappedFile, or ranged.RemoteFile for a URL), least recently used first;
+        # at most max_open local ones are kept open (idle ones beyond that are closed), users
+        # counts the reads in flight in each, which keep it open (see _using).
+        self._files: OrderedDict[str, Any] = OrderedDict()
+        self._users: dict[str, int] = {}
+        self._headers_ok: set[str] = set()  # files whose header was checked (once, not per open)
+        self._open_lock = threading.Lock()
+        self._local: bool | None = None  # whether the files are local (read_into), known once one is open
+        self.max_open = max_open_files()
         self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
         # Chunks another rank of this machine verifies (see _verify_split): read into fresh
         # tensors without hashing; trust_idents or check_idents settles them before any use.
@@ -211,17 +244,70 @@ class TensorReader:
         self.threads = read_threads()  # a load sets it once it knows the ranks on this machine
         self._by_file: dict[str, list[dict[str, Any]]] | None = None
 
-    def _file(self, name: str) -> Any:
-        if name not in self._files:
-            size = int(self.man["files"][name]["size"])
-            likely = self._likely(name) if self.verify and not self.store.renames else ()
+    @contextlib.contextmanager
+    def _using(self, name: str) -> Iterator[Any]:
+        """File ``name``, open (opened now if it is not) and kept open until the block ends."""
+        with self._open_lock:
+            f = self._files.get(name)
+            if f is None:
+                self._evict(self.max_open - 1)  # room for it first: at most max_open at any time
+                f = self._files[name] = self._open(name)
+            else:
+                self._files.move_to_end(name)
+            self._users[name] = self._users.get(name, 0) + 1
+        try:
+            yield f
+        finally:
+            with self._open_lock:
+                self._users[name] -= 1
+
+    def _open(self, name: str) -> Any:
+        """Open file ``name`` and check its header (the first time); the caller holds the lock.
+        Out of descriptors even so (other code in the process holds them), every idle file is
+        closed and the open tried once more."""
+        size = int(self.man["files"][name]["size"])
+        likely = self._likely(name) if self.verify and not self.store.renames else ()
+        try:
             f = open_data_file(self.dir, name, size, self.store, likely)
+        except StorageUnavailable as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._evict(0):
+                raise
+            f = open_data_file(self.dir, name, size, self.store, likely)
+        if name not in self._headers_ok:
             problems = header_problems(f.read, size, self._chunks_in(name))
             if problems:
                 f.close()
                 raise CorruptCheckpoint(f"{name}: {problems[0]}", path=self.dir)
-            self._files[name] = f
-        return self._files[name]
+            self._headers_ok.add(name)
+        if self._local is None:
+            self._local = hasattr(f, "read_into")
+        return f
+
+    def _evict(self, keep: int) -> int:
+        """Close idle local files, least recently used first, until at most ``keep`` local
+        files are open (files in use stay open); the caller holds the lock. How many closed."""
+        local = [n for n, f in self._files.items() if getattr(f, "fd", None) is not None]
+        closed = 0
+        for name in local:
+            if len(local) - closed <= keep:
+                break
+            if self._users.get(name, 0) == 0:
+                self._files.pop(name).close()
+                closed += 1
+        return closed
+
+    def _is_local(self, name: str) -> bool:
+        """Whether the checkpoint's files are local files (``read_into``); ``name``: a file to
+        open to find out, if none is open yet."""
+        if self._local is None:
+            with self._using(name):
+                pass
+        return bool(self._local)
+
+    def open_files(self) -> int:
+        """How many data files this reader holds open now (for tests and stats)."""
+        with self._open_lock:
+            return len(self._files)
 
     def _likely(self, name: str) -> list[tuple[int, int]]:
         """Byte ranges of file ``name`` this rank will most likely read (an object store fetches
@@ -330,7 +416,7 @@ class TensorReader:
         tasks: list[Any] = []
         small: dict[str, list[tuple[dict[str, Any], str]]] = {}
         for key, c in todo:
-            if c["end"] - c["start"] <= SMALL_CHUNK and hasattr(self._file(c["file"]), "read_into"):
+            if c["end"] - c["start"] <= SMALL_CHUNK and self._is_local(c["file"]):
                 small.setdefault(c["file"], []).append((c, key))
             else:
                 tasks.append(partial(self._verify_chunk, key, c))
@@ -341,7 +427,8 @@ class TensorReader:
     def _verify_run(self, run: list[tuple[dict[str, Any], str]]) -> None:
         """Verify chunks that lie back to back in one local file, hashed together (one read,
         or in place)."""
-        digests = self._file(run[0][0]["file"]).hash_runs([(c["start"], c["end"]) for c, _ in run])
+        with self._using(run[0][0]["file"]) as f:
+            digests = f.hash_runs([(c["start"], c["end"]) for c, _ in run])
         for (c, key), digest in zip(run, digests, strict=True):
             self._compare(key, c, digest)
 
@@ -389,7 +476,7 @@ class TensorReader:
         if (type(t) not in _PLAIN or not host_addressable(t) or t.layout is not torch.strided
                 or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.nbytes != n):
             return None
-        return c if hasattr(self._file(c["file"]), "read_into") else None
+        return c if self._is_local(c["file"]) else None
 
     def _fill_run(self, run: list[tuple[dict[str, Any], str, torch.Tensor]], owned: bool) -> None:
         """:meth:`fill_box` for whole small chunks that lie back to back in one local file, with
@@ -405,7 +492,8 @@ class TensorReader:
         bufs = [_writable(t) for _, _, t in run]
         first = run[0][0]["start"]
         total = run[-1][0]["end"] - first
-        _read_vectored(self._file(run[0][0]["file"]), first, bufs, total)
+        with self._using(run[0][0]["file"]) as f:
+            _read_vectored(f, first, bufs, total)
         for (c, key, _), buf, unseen in zip(run, bufs, fresh, strict=True):
             if unseen:
                 self._compare(key, c, xxhash.xxh3_64_hexdigest(buf))
@@ -431,10 +519,8 @@ class TensorReader:
 
     def _parallel(self, tasks: list[Any], files: set[str]) -> None:
         """Run I/O-bound tasks (reads and hashes release the GIL) on a few threads when every
-        file is local; the files are opened first, here, so the threads only read."""
-        local = True
-        for name in sorted(files):
-            local = local and hasattr(self._file(name), "read_into")
+        file is local (the threads open files as they need them, at most max_open idle at once)."""
+        local = all(self._is_local(name) for name in sorted(files)[:1])
         if len(tasks) < 2 or not local or self.threads < 2:
             for task in tasks:
                 task()
@@ -452,11 +538,11 @@ class TensorReader:
         ident = (c["file"], start, end)
         if not self.verify or end <= start or ident in self._verified:
             return
-        f = self._file(c["file"])
-        if hasattr(f, "hash_range"):  # a remote file: ranged reads
-            digest = f.hash_range(start, end, window)
-        else:
-            digest = f.hash_range_local(start, end, window)
+        with self._using(c["file"]) as f:
+            if hasattr(f, "hash_range"):  # a remote file: ranged reads
+                digest = f.hash_range(start, end, window)
+            else:
+                digest = f.hash_range_local(start, end, window)
         self._compare(key, c, digest)
 
     def _compare(self, key: str, c: dict[str, Any], digest: str) -> None:
@@ -492,50 +578,56 @@ class TensorReader:
                     continue
                 lo, hi = inter
                 whole = lo == list(cbox[0]) and [h - o for h, o in zip(hi, cbox[0], strict=True)] == list(cbox[1])
-                f = self._file(c["file"])
-                src_at = cbox[0]
-                if whole and hasattr(f, "read_into"):
-                    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))]
-                    if dst.is_contiguous() and dst.numel():
-                        # Straight from the file into the destination: no mapping, no copy
-                        # (a GPU tensor: into a pinned host buffer, then one device copy).
-                        host = dst if host_addressable(dst) else host_buffer_for(dst)
-                        into = memoryview(host.view(-1).view(torch.uint8).numpy())
-                        ident = (c["file"], c["start"], c["end"])
-                        if owned and host is dst:  # new pages: faulted in with one call, not one per 4 KiB
-                            populate(dst)
-                        if owned and ident in self._deferred:  # another rank hashes it
-                            f.read_into(c["start"], into)
-                        elif owned and self.verify and ident not in self._verified:
-                            self._compare(key, c, f.read_hash_into(c["start"], into))
-                        else:
-                            self._verify_chunk(key, c)
-                            f.read_into(c["start"], into)
-                        if host is not dst:
-                            dst.copy_(host)
-                        covered += dst.numel()
-                        self.nbytes_read += c["end"] - c["start"]
-                        continue
-                self._verify_chunk(key, c)
-                if whole or not hasattr(f, "rows"):
-                    src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
-                else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
-                    r0 = lo[0] - cbox[0][0]
-                    src = f.rows(c["start"], c["end"], dtype, c["sizes"], r0, hi[0] - cbox[0][0])
-                    src_at = [lo[0], *cbox[0][1:]]
-                src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, src_at, strict=True))
-                dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
-                local[dst_idx].copy_(src[src_idx])
-                n = 1
-                for a, b in zip(lo, hi, strict=True):
-                    n *= b - a
-                covered += n
-                self.nbytes_read += n * src.element_size()
+                with self._using(c["file"]) as f:
+                    covered += self._copy_chunk(f, key, c, local, box, lo, hi, whole, dtype, owned)
         if covered < local.numel():
             raise CorruptCheckpoint(
                 f"tensor {key!r}: the checkpoint's chunks cover {covered} of {local.numel()} "
                 "elements needed here", path=self.dir,
             )
+
+    def _copy_chunk(self, f: Any, key: str, c: dict[str, Any], local: torch.Tensor, box: Box, lo: list[int],
+                    hi: list[int], whole: bool, dtype: torch.dtype, owned: bool) -> int:
+        """:meth:`fill_box`'s copy of the part [lo, hi) of chunk ``c`` (of the open file ``f``)
+        into ``local``; how many elements it copied."""
+        cbox = [c["offsets"], c["sizes"]]
+        src_at = cbox[0]
+        if whole and hasattr(f, "read_into"):
+            dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))]
+            if dst.is_contiguous() and dst.numel():
+                # Straight from the file into the destination: no mapping, no copy
+                # (a GPU tensor: into a pinned host buffer, then one device copy).
+                host = dst if host_addressable(dst) else host_buffer_for(dst)
+                into = memoryview(host.view(-1).view(torch.uint8).numpy())
+                ident = (c["file"], c["start"], c["end"])
+                if owned and host is dst:  # new pages: faulted in with one call, not one per 4 KiB
+                    populate(dst)
+                if owned and ident in self._deferred:  # another rank hashes it
+                    f.read_into(c["start"], into)
+                elif owned and self.verify and ident not in self._verified:
+                    self._compare(key, c, f.read_hash_into(c["start"], into))
+                else:
+                    self._verify_chunk(key, c)
+                    f.read_into(c["start"], into)
+                if host is not dst:
+                    dst.copy_(host)
+                self.nbytes_read += c["end"] - c["start"]
+                return dst.numel()
+        self._verify_chunk(key, c)
+        if whole or not hasattr(f, "rows"):
+            src = f.tensor(c["start"], c["end"], dtype, c["sizes"], None)
+        else:  # a remote file: fetch only the overlapping rows (dim 0) of the chunk
+            r0 = lo[0] - cbox[0][0]
+            src = f.rows(c["start"], c["end"], dtype, c["sizes"], r0, hi[0] - cbox[0][0])
+            src_at = [lo[0], *cbox[0][1:]]
+        src_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, src_at, strict=True))
+        dst_idx = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, box[0], strict=True))
+        local[dst_idx].copy_(src[src_idx])
+        n = 1
+        for a, b in zip(lo, hi, strict=True):
+            n *= b - a
+        self.nbytes_read += n * src.element_size()
+        return n
 
     def verify_chunks(self, key: str, window: int = 64 << 20) -> None:
         """Check every chunk of ``key`` against its checksum, ``window`` bytes at a time

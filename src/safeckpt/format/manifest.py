@@ -30,13 +30,15 @@ import json
 import os
 import re
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
 
-from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
+from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, StorageUnavailable
 from .locations import is_remote
 from .validate import check_manifest, check_manifest_v3, is_written_name
 
@@ -136,12 +138,71 @@ def written_file_path(ckpt_dir: str, name: Any) -> str:
     return os.path.join(ckpt_dir, *name.split("/"))
 
 
+# OS errors that say nothing about a checkpoint's bytes and may pass: out of descriptors
+# (EMFILE, ENFILE), an I/O or network filesystem hiccup (EIO, ESTALE, ETIMEDOUT, ...). A read
+# failing so is tried again a few times, then raised as StorageUnavailable (every rank, no
+# fallback to an older checkpoint): only evidence of damage is CorruptCheckpoint.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EMFILE", "ENFILE", "EIO", "ESTALE", "EINTR", "EAGAIN", "ENOMEM", "EBUSY", "ETIMEDOUT", "ENOBUFS",
+    "ENOLCK", "ECONNRESET", "ECONNABORTED", "EHOSTUNREACH", "ENETDOWN", "ENETUNREACH", "EREMOTEIO",
+    "ENOLINK", "ECOMM", "EDEADLK") if hasattr(errno, name))
+# Errors of opening a file that are evidence about the checkpoint itself: it is not there, or
+# is not what a checkpoint's file is (a symlink, a path through a non-directory).
+DAMAGE_ERRNOS = frozenset((errno.ENOENT, errno.ELOOP, errno.ENOTDIR))
+IO_TRIES = 4  # tries of an operation failing with a transient error
+IO_BACKOFF = 0.05  # seconds before the second try, doubled for each next one (0.35 s in all)
+
+_T = TypeVar("_T")
+
+
+def unavailable(what: str, exc: OSError, tries: int = 1) -> StorageUnavailable:
+    """The error for an OS error that is not evidence of damage (``what`` failed)."""
+    again = f" (tried {tries} times)" if tries > 1 else ""
+    hint = ("raise the open-file limit (ulimit -n) or load with fewer ranks per machine"
+            if exc.errno in (errno.EMFILE, errno.ENFILE) else "check the storage and retry")
+    return StorageUnavailable(
+        f"{what}: {exc.strerror or exc}{again}. This says nothing about the checkpoint, which may "
+        f"be intact: {hint}.", errno=exc.errno,
+    )
+
+
+def retry_io(call: Callable[[], _T], what: str, *, tries: int = IO_TRIES, backoff: float = IO_BACKOFF) -> _T:
+    """``call()``, tried again after a short, growing pause while it fails with a transient OS
+    error (:data:`TRANSIENT_ERRNOS`), at most ``tries`` times; then StorageUnavailable. Any
+    other OSError propagates unchanged for the caller to classify."""
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS:
+                raise
+            if attempt == tries:
+                raise unavailable(what, exc, tries) from exc
+            time.sleep(backoff * (1 << (attempt - 1)))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def pread_all(fd: int, n: int, at: int = 0) -> bytes:
+    """Up to ``n`` bytes of ``fd`` from offset ``at`` (fewer only at the end of the file)."""
+    parts, got = [], 0
+    while got < n:
+        piece = os.pread(fd, n - got, at + got)
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    return b"".join(parts)
+
+
 def open_regular(path: str, ckpt_dir: str) -> int:
     """Open a file inside a checkpoint for reading: never through a symlink, never blocking on
-    a FIFO or device, only a regular file. Returns the fd; raises CorruptCheckpoint otherwise."""
+    a FIFO or device, only a regular file. Returns the fd. A missing file, a symlink or
+    anything but a regular file is CorruptCheckpoint; a permission problem CheckpointError; an
+    error that can pass (out of descriptors, I/O error, stale handle) is tried again a few
+    times and then StorageUnavailable: never taken for damage."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        fd = retry_io(lambda: os.open(path, flags), f"cannot open {path}")
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path} is missing", path=ckpt_dir) from None
     except OSError as exc:
@@ -153,8 +214,14 @@ def open_regular(path: str, ckpt_dir: str) -> int:
                 f"cannot read {path}: permission denied (run as a user who can read the "
                 "checkpoint, or fix its permissions)"
             ) from exc
-        raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=ckpt_dir) from exc
-    mode = os.fstat(fd).st_mode
+        if exc.errno in DAMAGE_ERRNOS:
+            raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=ckpt_dir) from exc
+        raise unavailable(f"cannot open {path}", exc) from exc
+    try:
+        mode = retry_io(lambda: os.fstat(fd).st_mode, f"cannot stat {path}")
+    except BaseException:
+        os.close(fd)
+        raise
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (FIFO, device or socket)"
@@ -182,8 +249,7 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     try:
         size = os.fstat(fd).st_size
         check_manifest_size(size, path, ckpt_dir)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(size + 1)
+        raw = retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
     finally:
         os.close(fd)
     return parse_manifest(raw, ckpt_dir)

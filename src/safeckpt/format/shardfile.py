@@ -29,7 +29,7 @@ import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpoint
 from .fileindex import INDEX_NAME
-from .manifest import DTYPE_TO_ST, dtype_code, open_regular
+from .manifest import DTYPE_TO_ST, dtype_code, open_regular, retry_io, unavailable
 
 PIECE = 64 << 20  # bytes hashed and written per system call
 WRITEBACK_WINDOW = 64 << 20  # bytes handed to the disk at a time (see _EarlyWriteback)
@@ -467,7 +467,11 @@ class MappedFile:
     @property
     def _mm(self) -> mmap.mmap | None:
         if self._mapping is None and self.size:
-            self._mapping = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
+            try:  # (a mapping holds a descriptor of its own: EMFILE can come here too)
+                self._mapping = retry_io(lambda: mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY),
+                                         f"cannot map {self.path}")
+            except OSError as exc:
+                raise unavailable(f"cannot map {self.path}", exc) from exc
         return self._mapping
 
     def tensor(self, start: int, end: int, dtype: torch.dtype, shape: Sequence[int], expect_hash: str | None) -> torch.Tensor:
@@ -491,13 +495,22 @@ class MappedFile:
         """Fill ``dst`` with the file's bytes from ``start`` (``preadv``, looping on short reads)."""
         done = 0
         while done < len(dst):
-            n = os.preadv(self.fd, [dst[done:]], start + done)
+            n = self.preadv([dst[done:]], start + done)
             if n <= 0:
                 raise CorruptCheckpoint(
                     f"{self.path} ended at byte {start + done} while reading (it was truncated "
                     "or replaced while loading)", path=self.ckpt,
                 )
             done += n
+
+    def preadv(self, bufs: list[Any], at: int) -> int:
+        """``os.preadv`` of this file, tried again while it fails with a transient error (EIO,
+        ESTALE, ...), then StorageUnavailable; any other OS error too is StorageUnavailable
+        (damage shows as a short read or a checksum mismatch, never as an OS error)."""
+        try:
+            return retry_io(lambda: os.preadv(self.fd, bufs, at), f"cannot read {self.path}")
+        except OSError as exc:
+            raise unavailable(f"cannot read {self.path}", exc) from exc
 
     def read_hash_into(self, start: int, dst: memoryview) -> str:
         """Fill ``dst`` from ``start`` like :meth:`read_into` and return the xxh3-64 of what

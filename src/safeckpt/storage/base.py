@@ -33,19 +33,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .._settings import resolve_timeout
-from ..errors import CheckpointError
+from ..errors import StorageError, StorageUnavailable  # noqa: F401 - defined in errors, exported here
 from ..format.locations import LOCAL_SCHEME, is_remote
 from .digest import FileDigest
 
 IO_SHARE = 0.75  # one storage call may take this share of the timeout, so a rank stuck in I/O
 # reports its error before its peers give up waiting for it (they wait the full timeout)
-
-
-class StorageError(CheckpointError):
-    """The storage service failed or refused a request (unreachable or hung endpoint, missing
-    or wrong credentials, access denied). Nothing about the checkpoint itself is known."""
-
-    exit_code = 74  # the CLI's "the system or the object store refused"
 
 
 @dataclass(frozen=True)
@@ -175,6 +168,13 @@ class Storage(ABC):
     def publish(self, staging: str, final: str, manifest: bytes, *, replace: bool) -> None:
         """Write ``manifest`` and make the save visible at ``final`` in one atomic step.
         Without ``replace``, FileExistsError if a checkpoint appeared at ``final`` meanwhile."""
+
+    def put_back(self, final: str) -> bool:
+        """Undo a replace of ``final`` (``publish(..., replace=True)``) that was killed half-way,
+        if it can leave it so: nothing at ``final`` and the replaced checkpoint still set aside
+        (a filesystem without an atomic swap) -> rename it back, True. Only the writer of the
+        root calls this (never a reader: a live replace may be half-way)."""
+        return False
 
     # ------------------------------------------------------------------ unfinished uploads
     def uploads(self, prefix: str) -> list[Upload]:
