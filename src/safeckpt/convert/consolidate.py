@@ -192,8 +192,8 @@ def consolidate(
     module's ``state_dict()``, so ``model.load_state_dict(safetensors.torch.load_file(out))``
     works (also for a checkpoint saved from FSDP2 or DDP).
 
-    The file's ``__metadata__`` holds ``format="pt"``, ``safeckpt.step`` (when the checkpoint
-    has one) and ``safeckpt.values``: a JSON object of the selected non-tensor values (such as
+    The file's ``__metadata__`` holds ``format="pt"``, ``"safeckpt.step"`` (when the checkpoint
+    has one) and ``"safeckpt.values"``: a JSON object of the selected non-tensor values (such as
     ``step`` or ``optim/param_groups``) in safeckpt's tree encoding.
 
     Memory: tensor by tensor, each in pieces of at most ``buffer_bytes`` (default 64 MiB), so a

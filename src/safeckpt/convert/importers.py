@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from ..coord.dist import distributed_active
 from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 
 
 def _single_process(what: str) -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed_active() and dist.get_world_size() > 1:
         raise CheckpointError(
             f"{what} runs in one process, but a process group of {dist.get_world_size()} ranks is "
             "initialised (safeckpt.save would wait for every rank). Run it outside torchrun, "

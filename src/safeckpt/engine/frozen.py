@@ -10,7 +10,7 @@ On load the live module must already hold the frozen tensors (the base model is 
 its own files, as with stock PEFT). They are checked against the fingerprints before anything
 in the caller's state is changed: the fingerprint entry is a stateful object placed first in
 the state, and the core loader hands stateful objects their state, in order, before it copies
-any tensor in place (``_load.py``, apply phase). A different base model therefore raises
+any tensor in place (``safeckpt.engine.load``, apply phase). A different base model therefore raises
 :class:`~safeckpt.errors.IncompatibleCheckpoint` naming the tensor, where stock resumes onto
 any base. ``"full"`` mode saves frozen parameters like the rest.
 

@@ -1,12 +1,12 @@
 """One collective load: check -> apply, in at most three collective rounds.
 
 1. check (all ranks)    every rank reads and validates the manifest itself (format 3: O(tensors
-                        + files), see _format3), matches the target state against it (keys,
+                        + files), see safeckpt.format.v3), matches the target state against it (keys,
                         shapes, dtypes; on a strict load a mismatch is IncompatibleCheckpoint),
                         reads the indexes of just the files it needs, reads stateful objects'
                         state into fresh tensors (verified as read), and verifies the chunks its
                         in-place targets need (ranks of one machine split the replicated ones,
-                        see _verify_split). Nothing in the caller's state is touched.
+                        see safeckpt.coord.verify_split). Nothing in the caller's state is touched.
          (coordinator)  one gather: the same path and manifest on every rank, every check
                         passed; the decision is broadcast, so any failure raises the same error
                         on every rank before anything is applied.
@@ -178,7 +178,7 @@ class _LoadJob:
     def __init__(self, ckpt_dir: str, man: dict[str, Any], state: MutableMapping[str, Any],
                  strict: bool | str, rank: int, verify: bool, world_size: int = 1, store: Storage | None = None) -> None:
         self.dir = ckpt_dir
-        self.man = man  # as stored: format 3 holds no chunks (see _format3)
+        self.man = man  # as stored: format 3 holds no chunks (see safeckpt.format.v3)
         self.state = state
         self.strict = strict
         self.rank = rank
@@ -340,10 +340,10 @@ class _LoadJob:
     def check(self) -> None:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place
         targets need; touches nothing in the caller's state (their untouched pages are
-        faulted in meanwhile, contents unchanged: see _prefault).
+        faulted in meanwhile, contents unchanged: see safeckpt.engine.prefault).
 
         Ranks of one machine reading the same page cache split the hashing of the replicated
-        chunks they all need (see _verify_split): each verifies its share, and trusts the
+        chunks they all need (see safeckpt.coord.verify_split): each verifies its share, and trusts the
         others' once the check phase succeeded on every rank."""
         reader = self.reader
         assert reader is not None

@@ -8,7 +8,7 @@ so ranks need not exchange it.
 Only as many ranks as the bytes need (``ceil(total / target)``, at least MIN_PIECE each) take
 part: the small replicated state of a sharded job (FSDP2's optimizer ``step`` scalars) lands in
 a few files instead of one per rank, so a rank that loads it opens a few files' indexes, not
-thousands (see ``_format3``).
+thousands (see ``safeckpt.format.v3``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Two exchanges, each a gather to the coordinator and a broadcast of its decision 
                          written. Else check the target and prepare the staging place.
 2. commit (all ranks)    write this rank's file (its share of replicated bytes, its shards, its
                          per-rank state, and the file's index of chunks and checksums: see
-                         ``_fileindex``), durably; send its size, checksum and index location.
-          (coordinator)  check every file, write the format-3 manifest (``_format3``),
+                         ``safeckpt.format.fileindex``), durably; send its size, checksum and index location.
+          (coordinator)  check every file, write the format-3 manifest (``safeckpt.format.v3``),
                          publish atomically, and tell every rank.
 
 The storage steps are ``safeckpt.storage.commit``'s, on the path's :class:`~safeckpt.storage.base.Storage`

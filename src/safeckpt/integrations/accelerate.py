@@ -28,7 +28,7 @@ and only they can save them: inside the commit's write phase every rank runs
 manifest lists the engine's files and the one rename publishes them with the rest, so a rank
 killed inside a save leaves no ``checkpoint_N``. ``load_state`` checks the engine's files (each
 rank hashes its share; a damaged checkpoint is passed over for the next older one) before
-DeepSpeed's own ``load_checkpoint`` reads them (see ``_hf_deepspeed``).
+DeepSpeed's own ``load_checkpoint`` reads them (see ``safeckpt.integrations._hf.deepspeed``).
 """
 
 from __future__ import annotations

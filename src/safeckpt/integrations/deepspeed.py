@@ -59,6 +59,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import read_state_dict
+from ..coord.dist import distributed_active
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -472,7 +473,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 def _global_rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed_active() else 0
 
 
 def _needed(engine: Any, index: dict[str, Any]) -> list[str]:
@@ -745,7 +746,7 @@ def _deepspeeds_own_error() -> Iterator[None]:
 def _world_size() -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if distributed_active() else 1
 
 
 @contextlib.contextmanager

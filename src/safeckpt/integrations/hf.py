@@ -24,7 +24,7 @@ and reading (``_save_checkpoint``, ``_load_from_checkpoint``, ``_load_optimizer_
 ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``); everything else is Trainer's.
 
 With a DeepSpeed config the engine's own checkpoint is written by every rank inside the commit
-and loaded by DeepSpeed from the committed checkpoint (``_hf_deepspeed``), so ``checkpoint-N``
+and loaded by DeepSpeed from the committed checkpoint (``safeckpt.integrations._hf.deepspeed``), so ``checkpoint-N``
 is still one atomic commit.
 """
 

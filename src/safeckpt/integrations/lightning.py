@@ -56,6 +56,7 @@ from safeckpt.errors import (
 )
 from safeckpt.format.tree import is_dtensor
 
+from ..coord.dist import distributed_active
 from ._lightning.format import (
     FROZEN,
     LIGHTNING,
@@ -126,7 +127,7 @@ class SafeckptIO(CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("SafeckptIO.save_checkpoint does not take storage_options")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed_active() and dist.get_world_size() > 1:
             raise CheckpointError(
                 f"SafeckptIO cannot save {os.fspath(path)} in a {dist.get_world_size()}-process job: "
                 "Lightning calls a CheckpointIO on global rank 0 only, and a safeckpt save needs every "
@@ -248,7 +249,7 @@ class SafeckptStrategyMixin:
         ddp = getattr(self, "model", None)
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or not ddp.broadcast_buffers:
             return
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not distributed_active() or dist.get_world_size() == 1:
             return
         with torch.no_grad():
             for buf in ddp.module.buffers():

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...coord.dist import distributed_active
 from ...errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from ...rng import RNGState
 
@@ -36,7 +37,7 @@ def step_dir(root: str, step: int, dirname: str | None = None) -> str:
 def rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed_active() else 0
 
 
 def share_from_rank0(fn: Callable[[], Any]) -> Any:
@@ -47,7 +48,7 @@ def share_from_rank0(fn: Callable[[], Any]) -> Any:
     """
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = distributed_active() and dist.get_world_size() > 1
     if not distributed:
         return fn()
     from ...coord.dist import Coordinator
@@ -346,7 +347,7 @@ def agree_all(fn: Callable[[], Any], where: str) -> Any:
         out = fn()
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         local = exc
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed_active() and dist.get_world_size() > 1:
         from ...coord.dist import Coordinator
 
         # on safeckpt's own group, as JSON (never the job's group, never pickle)

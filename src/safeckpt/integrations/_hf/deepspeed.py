@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...coord.dist import distributed_active
 from ...engine.extra import WriteFiles, tree_share, verify_files
 from ...errors import IncompatibleCheckpoint
 from .common import DeferredRNG, inner_scheduler, load_entries, read_json_entries
@@ -58,7 +59,7 @@ def engines_files(engines: Sequence[tuple[Any, str | None]], *, exclude_frozen: 
             if exclude_frozen and "exclude_frozen_parameters" in inspect.signature(engine.save_checkpoint).parameters:
                 kw["exclude_frozen_parameters"] = True  # as Trainer does for PEFT models
             engine.save_checkpoint(staging, tag=tag, **kw)
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = distributed_active()
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         return tree_share(staging, rank, world)
 

@@ -103,7 +103,7 @@ def read_checkpoint(path: str | os.PathLike[str], map_location: Any = None) -> d
     """Lightning's checkpoint dict from a checkpoint written by this integration (offline, no
     process group, never unpickles): ``state_dict`` with full (unsharded) tensors,
     ``optimizer_states`` (if saved), and everything else as rank 0 saved it (configs, enums,
-    paths... rebuilt, see ``_lightning_values``).
+    paths... rebuilt, see ``safeckpt.integrations._lightning.values``).
 
     ``map_location`` as ``torch.load`` takes it (tensors are read onto the CPU, location
     ``"cpu"``): None, a device or its name, a dict mapping ``"cpu"`` to one, or a callable
