@@ -253,6 +253,12 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*/(gloo|c10d)/[^\]]*\]\s*", "", text)[:300]
 
 
+def _rank_list(raw: bytes | str) -> set[int]:
+    """The ranks in an appended list (``"3,7,12,"``)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return {int(x) for x in text.split(",") if x.strip().isdigit()}
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
@@ -300,10 +306,16 @@ class Coordinator:
         try:
             keys = [f"{state.key}/peer/{r}" for r in range(self.world_size)]
             store = _store()
+            # Before the record: once every record is there, every arrival marker is too, so
+            # failure diagnosis reads all of them in one request (multi_get waits for absent keys).
+            store.set(f"{state.key}/arrived/{self.rank}", "0")
             store.set(keys[self.rank], json.dumps(self_record()))
+            store.append(f"{state.key}/joined", f"{self.rank},")  # who arrived: one key to read
+            store.add(f"{state.key}/count", 1)  # how many arrived: what the others poll
             self._await_peers(state, store, keys, started)
-            for r, k in enumerate(keys):  # one by one: those read stay known if the store dies
-                state.peers[r] = json.loads(store.get(k))
+            records = store.multi_get(keys)  # one request, whatever the world size
+            for r, raw in enumerate(records):
+                state.peers[r] = json.loads(raw)
             state.group = _new_gloo_group(self.timeout)
         except Exception as exc:  # a peer absent, dead, or the store gone
             raise self._lost_peers(state, "setup", SETUP_HINT, exc, started) from exc
@@ -333,12 +345,13 @@ class Coordinator:
                         # rank 0 first: it usually hosts the store, so once it is gone its
                         # record could not be read any more
                         state.peers[0] = json.loads(own.get(keys[0]))
-                    if own.check(keys):
+                    # O(1) requests per poll whatever the world size: the arrival counter, and
+                    # now and then the list of who arrived
+                    if int(own.add(f"{state.key}/count", 0)) >= self.world_size:
                         box["ok"] = True
                         return
                     if time.monotonic() - noted > every:
-                        seen = state.arrived or {self.rank}
-                        state.arrived = seen | {r for r, k in enumerate(keys) if r not in seen and own.check([k])}
+                        state.arrived = (state.arrived or {self.rank}) | _rank_list(own.get(f"{state.key}/joined"))
                         noted = time.monotonic()
                     stop.wait(pause)
                     pause = min(pause * 1.5, 0.2)
@@ -549,7 +562,7 @@ class Coordinator:
             seen = f"{raw} (after {elapsed:.1f}s)"
         # Tell the others that this rank saw the failure (it is a survivor): in the store, and
         # on this host for when the store went with rank 0.
-        self._mark(f"{state.key}/failed/{self.rank}", state.seq, bounded=True)
+        self._mark_failed(state)
         mark_survivor(state.name, {"seq": state.seq, "done": done})
         gone, missing, alive, store_error = self._diagnose(state, closed)
         if store_error and state.seq == 0 and state.arrived is not None and elapsed >= 0.9 * self.timeout:
@@ -617,6 +630,8 @@ class Coordinator:
         done_key, failed_key = f"{state.key}/done/{state.seq}", f"{state.key}/failed/0"
         deadline = started + self.timeout
 
+        pause = [0.02]
+
         def poll(store: Any) -> str | None:
             while True:
                 if store is not None:
@@ -632,7 +647,8 @@ class Coordinator:
                     return done_hint if note.get("done") else hint
                 if is_gone(state.peers[0]) or time.monotonic() > deadline:
                     return None  # rank 0 itself died: it may have completed just before
-                time.sleep(0.02)
+                time.sleep(pause[0])
+                pause[0] = min(pause[0] * 1.5, 0.25)  # every survivor polls: keep the store's load low
 
         try:
             settled = _ask_store(poll, max(0.0, deadline - time.monotonic()) + 0.5)
@@ -654,20 +670,23 @@ class Coordinator:
         survivors: set[int] = set()
 
         def markers(store: Any) -> tuple[list[int], set[int], dict[int, Any]]:
-            absent, saw, records = [], set(), {}
-            for r in others:
-                if state.seq == 0:  # setup: arrived = published its record
-                    key = f"{state.key}/peer/{r}"
-                    if store.check([key]):
-                        records[r] = json.loads(store.get(key))
-                    else:
-                        absent.append(r)
-                else:
-                    key = f"{state.key}/arrived/{r}"
-                    if not store.check([key]) or int(store.get(key).decode()) < state.seq:
-                        absent.append(r)
-                if store.check([f"{state.key}/failed/{r}"]):  # a group breaks once: same event
-                    saw.add(r)
+            # O(1) requests whatever the world size (each survivor asks once; at 1,024 ranks a
+            # request per peer was ~3M requests on the one store, past any budget): the list
+            # of ranks that saw the failure, and every rank's arrival in one multi_get.
+            failed_key = f"{state.key}/failed"
+            saw = _rank_list(store.get(failed_key)) if store.check([failed_key]) else set()
+            records: dict[int, Any] = {}
+            if state.seq == 0:  # setup: arrived = published its record (then joined the list)
+                joined_key = f"{state.key}/joined"
+                joined = _rank_list(store.get(joined_key)) if store.check([joined_key]) else set()
+                absent = [r for r in others if r not in joined]
+                unknown = sorted(r for r in joined if r != self.rank and state.peers[r] is None)
+                if unknown:  # their records exist (published before joining): one request
+                    raws = store.multi_get([f"{state.key}/peer/{r}" for r in unknown])
+                    records = {r: json.loads(raw) for r, raw in zip(unknown, raws, strict=True)}
+            else:  # every arrival marker exists since setup (see _create_group)
+                values = store.multi_get([f"{state.key}/arrived/{r}" for r in others])
+                absent = [r for r, v in zip(others, values, strict=True) if int(v.decode()) < state.seq]
             return absent, saw, records
 
         try:
@@ -690,6 +709,20 @@ class Coordinator:
             time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited
         alive = [r for r in others if status[r] is False]
         return gone, missing, alive, store_error
+
+    def _mark_failed(self, state: _GroupState) -> None:
+        """Add this rank to the group's list of ranks that saw its failure (one key for all, so
+        a survivor reads it in one request); rank 0 also sets its own key, which peers whose
+        phase it may have completed poll (``_settle_hint``). Bounded: the store may hang."""
+        def mark(store: Any) -> None:
+            store.append(f"{state.key}/failed", f"{self.rank},")
+            if self.rank == 0:
+                store.set(f"{state.key}/failed/0", str(state.seq))
+
+        try:
+            _ask_store(mark, _store_budget(self.timeout))
+        except Exception:
+            pass
 
     def _mark(self, key: str, seq: int, bounded: bool = False) -> None:
         """Record in the job's store that this rank reached collective ``seq`` (or saw it fail).

@@ -31,8 +31,19 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+_NAMESPACE: dict[int, str | None] = {}
+
+
 def _namespace() -> str | None:
-    """Same string on two processes iff their pids are comparable (same kernel boot and pid ns)."""
+    """Same string on two processes iff their pids are comparable (same kernel boot and pid ns).
+    Looked up once per process: failure diagnosis asks it for every peer."""
+    pid = os.getpid()
+    if pid not in _NAMESPACE:
+        _NAMESPACE[pid] = _read_namespace()
+    return _NAMESPACE[pid]
+
+
+def _read_namespace() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
