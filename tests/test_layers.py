@@ -120,3 +120,60 @@ def test_the_rule_catches_an_upward_import(tmp_path) -> None:
 def test_public_api_is_importable_from_the_root() -> None:
     for name in safeckpt.__all__:
         assert getattr(safeckpt, name) is not None, name
+
+
+def _package_init_imports(module: str, path: Path) -> list[str]:
+    """Lines where ``module`` imports a name of the package ``__init__`` itself (``from .. import
+    save``, ``import safeckpt``), not a submodule of it."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name == "safeckpt" for a in node.names):
+            bad.append(f"line {node.lineno}: import safeckpt")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names if f"{target}.{a.name}" not in MODULES]
+            if target == "safeckpt" and names:
+                bad.append(f"line {node.lineno}: from safeckpt import {', '.join(names)}")
+    return bad
+
+
+# The layers the package ``__init__`` itself imports: none of their modules may import it back
+# (``from .. import __version__`` worked only because ``__init__`` set it before importing the
+# engine). The CLI, conversion and integrations sit above it and may use the public names.
+BELOW_INIT = {name for name, _ in LAYERS[:5]}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_below_the_public_names_imports_the_package_init(module: str) -> None:
+    if module == "safeckpt" or LAYERS[_layer(module)][0] not in BELOW_INIT:
+        return
+    bad = _package_init_imports(module, MODULES[module])
+    assert not bad, f"{module} imports the package __init__ it is part of:\n" + "\n".join(bad)
+
+
+# What the integrations may use of the engine besides the public names: reading a committed
+# checkpoint's manifest and tensors, frozen-parameter fingerprints, and the names and records of
+# files a save commits beside its tensors. Saves and loads go through safeckpt.save/load and
+# CheckpointManager (their options are what the integrations need), never the jobs themselves.
+ENGINE_FOR_INTEGRATIONS = ("safeckpt.engine.reader", "safeckpt.engine.frozen", "safeckpt.engine.extra")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("safeckpt.integrations")))
+def test_integrations_use_only_the_declared_engine_modules(module: str) -> None:
+    bad = [f"line {line}: {t}" for t, line in _imports(module, MODULES[module])
+           if t.startswith("safeckpt.engine.") and t in MODULES and t not in ENGINE_FOR_INTEGRATIONS]
+    assert not bad, (f"{module} imports engine modules outside {ENGINE_FOR_INTEGRATIONS}:\n" + "\n".join(bad)
+                     + "\nUse the public calls (safeckpt.save/load, CheckpointManager) or declare the module here.")
+
+
+def test_the_init_rule_catches_a_package_import(tmp_path) -> None:
+    fake = tmp_path / "engine" / "bad.py"
+    fake.parent.mkdir()
+    fake.write_text("from .. import __version__\nfrom .. import errors\nimport safeckpt\n")
+    bad = _package_init_imports("safeckpt.engine.bad", fake)
+    assert bad == ["line 1: from safeckpt import __version__", "line 3: import safeckpt"]
