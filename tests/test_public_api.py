@@ -33,13 +33,17 @@ def test_exception_tree():
     for name in ("RankFailure", "RankMismatch", "CorruptCheckpoint", "IncompatibleCheckpoint", "CheckpointNotFound"):
         assert issubclass(getattr(safeckpt, name), safeckpt.CheckpointError)
     assert issubclass(safeckpt.CheckpointNotFound, FileNotFoundError)
+    # the storage's own failures are part of the tree (exit 74), also where backends import it
+    from safeckpt.storage.base import StorageError
+
+    assert StorageError is safeckpt.StorageError and issubclass(StorageError, safeckpt.CheckpointError)
     assert issubclass(safeckpt.CheckpointError, Exception)
 
 
 def test_signatures_match_spec():
     save = inspect.signature(safeckpt.save)
     assert list(save.parameters)[:2] == ["path", "state"]
-    for kw in ("metadata", "overwrite", "timeout"):
+    for kw in ("metadata", "overwrite", "timeout", "extra_files", "write_files", "frozen", "collective"):
         assert save.parameters[kw].kind is inspect.Parameter.KEYWORD_ONLY
     load = inspect.signature(safeckpt.load)
     for kw in ("strict", "timeout"):

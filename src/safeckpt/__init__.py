@@ -21,6 +21,7 @@ from .errors import (
     RankFailure,
     RankMismatch,
     SafeckptWarning,
+    StorageError,
 )
 from .format.manifest import CheckpointInfo
 from .manager import CheckpointManager
@@ -43,6 +44,7 @@ __all__ = [
     "RankMismatch",
     "RetentionPolicy",
     "SafeckptWarning",
+    "StorageError",
     "VerifyReport",
     "__version__",
     "load",
