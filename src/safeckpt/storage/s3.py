@@ -150,6 +150,20 @@ class S3Storage(FsspecStorage):
         if refused:
             raise StorageError(f"deleting under {where}: the storage refused to delete {len(refused)} "
                                f"object(s): {'; '.join(refused[:5])}")
+        for bucket, keys in by_bucket.items():  # folders these deletes left empty
+            for folder in sorted({k.rsplit("/", 1)[0] for k in keys if "/" in k}):
+                self._drop_empty_folder(bucket, folder)
+
+    def _drop_empty_folder(self, bucket: str, folder: str) -> None:
+        """Delete the marker of ``folder`` if nothing is left in it. Filer-backed servers
+        (SeaweedFS) keep a folder once its last object is deleted, and a scan would see an
+        empty ``step-N`` prefix; on AWS there is no such marker (deleting it is a no-op)."""
+        url = f"{self.scheme}://{bucket}/{folder}"
+        if self.list(url) is None:
+            try:
+                self._s3_now(url, "deleting", "delete_object", Bucket=bucket, Key=folder + "/")
+            except (FileNotFoundError, StorageError):
+                pass  # best effort: an empty prefix is no checkpoint
 
     def uploads(self, prefix: str) -> list[Upload]:
         bucket, key, _ = self.fs.split_path(self._path(prefix))
