@@ -58,6 +58,14 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _from_target(package: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` statement in ``package`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
     """(absolute module imported, line) for every import statement in the file."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -66,11 +74,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(package, node)
             found.append((target, node.lineno))
             # ``from . import x``: x may be a submodule
             found += [(f"{target}.{a.name}", node.lineno) for a in node.names]
@@ -131,11 +135,7 @@ def _package_init_imports(module: str, path: Path) -> list[str]:
         if isinstance(node, ast.Import) and any(a.name == "safeckpt" for a in node.names):
             bad.append(f"line {node.lineno}: import safeckpt")
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(package, node)
             names = [a.name for a in node.names if f"{target}.{a.name}" not in MODULES]
             if target == "safeckpt" and names:
                 bad.append(f"line {node.lineno}: from safeckpt import {', '.join(names)}")
