@@ -126,7 +126,11 @@ def test_bytes_dot_metadata_failed_save_and_overwrite_at_two_ranks(tmp_path, mon
 
     assert dot == {"file": ".metadata", "size": len(raw), "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}
     # .metadata is DCP's own Metadata: what tools that read it (format_utils, torchtitan) expect
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        TensorStorageMetadata,
+    )
 
     meta = pickle.loads(raw)
     assert isinstance(meta, Metadata)
