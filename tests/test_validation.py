@@ -477,3 +477,81 @@ def test_strict_entries_loads_a_subset_exactly_and_refuses_before_changing_anyth
         safeckpt.load(path, {"model": model}, strict="entry")  # type: ignore[arg-type]
     with pytest.raises(safeckpt.IncompatibleCheckpoint, match="unexpected entry 'optim'"):
         safeckpt.load(path, {"model": model, "step": 0})  # strict=True still wants every entry
+
+
+# ------------------------------------------------------ issue 27: items 5 and 11 (sizes)
+
+
+def _boxes_manifest(tmp_path, boxes: list[list], shape: list[int]) -> bytes:
+    """A signed format-3 manifest whose one tensor is stored as explicit ``boxes``."""
+    safeckpt.save(tmp_path / "ck", {"w": torch.zeros(1)})
+    man = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    rec = man["tensors"]["w"]
+    rec.pop("pieces", None)
+    rec.update(scope="sharded", shape=shape, boxes=boxes)
+    return encode_manifest({k: v for k, v in man.items() if k != CHECKSUM_FIELD})
+
+
+@pytest.mark.parametrize("k", [6000, 20000])
+def test_a_manifest_of_many_boxes_validates_in_linear_time_and_bad_tilings_are_refused(tmp_path, k):
+    """Boxes sharing offsets[0] were compared pairwise: 6,000 took 67 s, 8,000 70 s."""
+    import time
+
+    from safeckpt.format.manifest import parse_manifest
+
+    cases = {
+        "exact": [[0, [0, j], [1, 1]] for j in range(k)],
+        # the same volume as the tensor: one box twice, one missing (only the box check sees it)
+        "overlap": [[0, [0, j], [1, 1]] for j in range(k) if j != k // 2] + [[0, [0, k // 2 + 1], [1, 1]]],
+        "overlap2": [[0, [0, 0], [1, k // 2 + 1]], [0, [0, k // 2], [1, k // 2 - 1]]],  # two halves meeting
+        "gap": [[0, [0, j], [1, 1]] for j in range(k) if j != k // 2],  # fewer elements
+        "grid": [[0, [i, j], [1, k // 100]] for i in range(100) for j in range(0, k, k // 100)],
+    }
+    for name, boxes in cases.items():
+        shape = [100, k] if name == "grid" else [1, k]
+        raw = _boxes_manifest(tmp_path / name, boxes, shape)
+        t0 = time.perf_counter()
+        if name in ("exact", "grid"):
+            man = parse_manifest(raw, str(tmp_path / name / "ck"))
+            assert len(man["tensors"]["w"]["boxes"]) == len(boxes)
+        else:
+            with pytest.raises(safeckpt.CorruptCheckpoint, match="overlap or leave a gap" if "overlap" in name
+                               else "elements"):
+                parse_manifest(raw, str(tmp_path / name / "ck"))
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 5, (name, k, elapsed)
+
+
+def test_an_index_larger_than_the_manifest_allows_is_refused_before_it_is_read(tmp_path):
+    """A 32 MiB JSON index (valid, re-signed) cost +771 MiB RSS when parsed; a forged 256 MiB
+    one ~6 GB on every rank. Its size is bounded by the chunks the manifest places in the file."""
+    import tracemalloc
+
+    import xxhash
+
+    path = tmp_path / "ck"
+    safeckpt.save(path, {"w": torch.arange(8.0)})
+    man = json.loads((path / "manifest.json").read_text())
+    rec = man["files"][DATA]
+    start, end, _ = rec["index"]
+    data = (path / DATA).read_bytes()
+    idx = json.loads(data[start:end])
+    idx["trees"] = {"pad": list(range(4_000_000))}  # ~31 MiB of JSON
+    text = json.dumps(idx, separators=(",", ":")).encode()
+    new = data[:start] + text
+    rec.update(size=len(new), index=[start, start + len(text), xxhash.xxh3_64_hexdigest(text)],
+               xxh3_128=xxhash.xxh3_128_hexdigest(new))
+    (path / DATA).write_bytes(new)
+    (path / "manifest.json").write_bytes(encode_manifest({k: v for k, v in man.items() if k != CHECKSUM_FIELD}))
+    del data, new, text, idx
+    target = {"w": torch.zeros(8)}
+    tracemalloc.start()
+    try:
+        with pytest.raises(safeckpt.CorruptCheckpoint, match="index of .* bytes, more than"):
+            safeckpt.load(path, target)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the index was never read, let alone parsed
+    assert torch.equal(target["w"], torch.zeros(8))
+    assert not safeckpt.verify(path).ok

@@ -26,6 +26,7 @@ files read (all of them for the offline tools).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -52,6 +53,7 @@ class Layout:
         self.indexes: dict[str, dict[str, Any]] = {}  # file name -> parsed, checked index
         self._pieces: dict[int, list[tuple[str, list[int], list[int]]]] | None = None
         self._boxes: dict[int, list[tuple[str, list[int], list[int]]]] | None = None
+        self._trees_room: int | None = None
 
     # ------------------------------------------------------------- locations
     def holders(self, key: str, want: Box | None, rank: int) -> Iterable[int]:
@@ -121,8 +123,11 @@ class Layout:
         rec = self.man["files"][name]
         start, end, digest = rec["index"]
         where = f"{self.ckpt}/{name}"
-        if end - start > MAX_INDEX:
-            raise CorruptCheckpoint(f"{where}: an index of {end - start} bytes (at most {MAX_INDEX})", path=self.ckpt)
+        limit = min(MAX_INDEX, self.index_limit(int(rec["rank"]), int(rec["size"])))
+        if end - start > limit:  # before reading or parsing any of it
+            raise CorruptCheckpoint(
+                f"{where}: an index of {end - start} bytes, more than the {limit} that the chunks and "
+                "trees the manifest places in this file can take (damaged or forged)", path=self.ckpt)
         f = self.store.open(safe_file_path(self.ckpt, name), int(rec["size"]), self.ckpt)
         try:
             raw = bytes(f.read(start, end))
@@ -135,6 +140,24 @@ class Layout:
             raise CorruptCheckpoint(f"{where}: {exc}", path=self.ckpt) from None
         self.indexes[name] = idx
         return idx
+
+    def index_limit(self, rank: int, file_size: int) -> int:
+        """The most bytes the index of ``rank``'s file can have: the JSON of every chunk the
+        manifest places there (key, offsets, sizes as they are, byte offsets of at most
+        ``file_size``'s digits, a checksum), plus, if the rank keeps trees of its own
+        (``rank_trees``), room for them (4x the manifest's object trees and 1 MiB), else none.
+        So an index is bounded by what the manifest expects before it is read: a forged 256
+        MiB index costs its parse on every rank no more."""
+        pos = 2 * len(str(file_size)) + 16 + 10  # start,end,"checksum", brackets, commas, quotes
+        n = 64  # {"trees":{},"chunks":[]}
+        for (key, offsets), sizes in self.expected(rank).items():
+            n += len(json.dumps(key)) + 2 * len(offsets) + 4 + sum(len(str(v)) for v in (*offsets, *sizes)) + pos
+        if rank in set(self.man.get("rank_trees", ())):
+            if self._trees_room is None:
+                objects = json.dumps(self.man["objects"], separators=(",", ":"), allow_nan=True)
+                self._trees_room = 4 * len(objects) + (1 << 20)
+            n += self._trees_room
+        return n
 
     def _check_index(self, name: str, rec: dict[str, Any], idx: dict[str, Any]) -> None:
         rank = int(rec["rank"])
