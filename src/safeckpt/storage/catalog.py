@@ -13,12 +13,21 @@ A scan runs concurrently with a writer that publishes new checkpoints and retent
 deletes old ones (after the new one is committed). If something vanished while we looked, or
 new names appeared, the listing is stale and may miss the checkpoint that replaced the old one,
 so we list again: a reader never reports "no checkpoint" while one exists.
+
+Overwrites on filesystems without an atomic swap (NFS, CephFS, FUSE: see ``storage.posix``) set
+the committed checkpoint aside under a replaced name for the instant between two renames. A
+replaced directory whose checkpoint name is taken again is a leftover; one whose name is free
+is the step's committed checkpoint (the overwrite was killed between its renames): a scan that
+sees one lists again for up to ``REPLACED_GRACE`` seconds (a live overwrite finishes its second
+rename meanwhile), then reports it as committed at its replaced path. Only :func:`recover`
+(the coordinator's sweep) renames it back; nothing ever deletes it while its name is free.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -26,11 +35,13 @@ from ..errors import CheckpointError, CheckpointNotFound, SafeckptWarning
 from ..format.manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
 from .base import Storage, StorageError, Upload, storage_for
 from .commit import EXTRAS_FILE, TOKEN_FILE, leftover_extras, manifest_names
+from .posix import replaced_final
 
 STEP_PREFIX = "step-"
 _LEFTOVER_RE = re.compile(r"^\.(.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(TRASH_MARK) + r")[0-9a-f]+$")
 _FIELD_RE = re.compile(r"\{step(?::0?(\d+)d)?\}")
 _NAME_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+REPLACED_GRACE = 0.5  # seconds a scan waits for an overwrite's second rename (see above)
 
 
 class DirName:
@@ -142,18 +153,21 @@ def scan(root: str, attempts: int = 10, store: Storage | None = None, *, leftove
     store = store or storage_for(root)
     for i in range(attempts):
         try:
-            return _scan_once(store, root, leftovers, last=i == attempts - 1, dirnames=dirnames)
+            return _scan_once(store, root, leftovers, last=i == attempts - 1, dirnames=dirnames,
+                              attempts=attempts)
         except _Stale:
             continue
     return []  # pragma: no cover - the last attempt never raises _Stale
 
 
 def _scan_once(store: Storage, root: str, leftovers: bool, last: bool,
-               dirnames: tuple[DirName, ...] = ()) -> list[Entry]:
+               dirnames: tuple[DirName, ...] = (), attempts: int = 10) -> list[Entry]:
     items = store.list(root)
     if items is None:
         return []
     out: list[Entry] = []
+    names = {i.name for i in items}
+    unsettled = False  # a save in flight (or killed) may be renaming: list again to be sure
     for item in sorted(items, key=lambda i: i.name):
         if item.kind == "gone" and not last:
             raise _Stale
@@ -164,6 +178,19 @@ def _scan_once(store: Storage, root: str, leftovers: bool, last: bool,
         if left:
             kind = "staging" if left.group(2) == STAGING_MARK else "trash"
             out.append(Entry(item.name, path, kind, parse_step(left.group(1), dirnames)))
+            unsettled = unsettled or kind == "staging"
+            continue
+        final = replaced_final(item.name) if store.renames else None
+        if final is not None:
+            step = parse_step(final, dirnames)
+            if final in names:  # the overwrite put its new checkpoint in place
+                out.append(Entry(item.name, path, "trash", step))
+                continue
+            if not last:  # between an overwrite's two renames, or killed there: wait and see
+                time.sleep(REPLACED_GRACE / max(1, attempts - 1))
+                raise _Stale
+            # Killed between its renames: the old checkpoint, committed, is the step's.
+            out += _inspect(store, item.name, path, step, leftovers, last, True)
             continue
         step, default_name = _match(item.name, dirnames)
         if step is None and (store.renames or not leftovers):
@@ -171,6 +198,12 @@ def _scan_once(store: Storage, root: str, leftovers: bool, last: bool,
         out += _inspect(store, item.name, path, step, leftovers, last, default_name)
     if leftovers:
         out = _with_uploads(store, root, out)
+    if store.renames and unsettled and not last:
+        # A directory listing taken while names change (a save publishing, an overwrite's two
+        # renames on NFS) may miss both the old and the new name: compare with a second one.
+        again = store.list(root) or []
+        if {i.name for i in again if i.kind == "dir"} != {i.name for i in items if i.kind == "dir"}:
+            raise _Stale
     if not store.renames and not last:
         # Objects cannot vanish atomically: retention deletes a manifest, then the objects.
         # If a new checkpoint appeared meanwhile, this listing may have missed it.
@@ -289,19 +322,50 @@ def leftovers(root: str, store: Storage | None = None, dirnames: tuple[DirName, 
     if not store.renames:
         return [e for e in scan(root, store=store, dirnames=dirnames) if e.status in ("staging", "trash")]
     out = []
-    for item in store.list(root) or ():
+    items = store.list(root) or ()
+    names = {i.name for i in items}
+    for item in items:
+        if item.kind != "dir":
+            continue
         m = _LEFTOVER_RE.match(item.name)
-        if m and item.kind == "dir":
+        if m:
             kind = "staging" if m.group(2) == STAGING_MARK else "trash"
             out.append(Entry(item.name, store.join(root, item.name), kind, parse_step(m.group(1), dirnames)))
+            continue
+        final = replaced_final(item.name)
+        # A replaced checkpoint is garbage only once its name holds the new one; while the
+        # name is free it is the step's only copy (see ``recover``), never a leftover.
+        if final is not None and final in names:
+            out.append(Entry(item.name, store.join(root, item.name), "trash", parse_step(final, dirnames)))
     return sorted(out, key=lambda e: e.name)
 
 
+def recover(root: str, store: Storage | None = None) -> list[str]:
+    """Coordinator (the writer of ``root``, before it sweeps): put back under its own name every
+    committed checkpoint that an overwrite killed between its two renames left set aside
+    (filesystems without an atomic swap; see ``storage.posix``). Returns their paths. A reader
+    never calls this: a live overwrite may be between its renames."""
+    store = store or storage_for(root)
+    if not store.renames:
+        return []
+    items = store.list(root) or ()
+    names = {i.name for i in items}
+    finals = sorted({f for i in items if i.kind == "dir" and (f := replaced_final(i.name)) and f not in names})
+    return [store.join(root, f) for f in finals if store.put_back(store.join(root, f))]
+
+
 def sweep(root: str, store: Storage | None = None, dirnames: tuple[DirName, ...] = ()) -> None:
-    """Remove every leftover under ``root`` (the manager, before each save). Best effort: one
+    """Put back what interrupted overwrites set aside (:func:`recover`), then remove every
+    leftover under ``root`` (the manager, before each save). Best effort: one
     the store refuses to remove now stays for the next sweep or ``safeckpt gc``, with a
     warning, and never fails the save."""
     store = store or storage_for(root)
+    try:
+        recover(root, store)  # first: a checkpoint put back makes its replaced copies leftovers
+    except (StorageError, OSError) as exc:
+        warnings.warn(f"could not put back a checkpoint that an interrupted overwrite set aside under "
+                      f"{root} ({exc}); it stays where it is (restore finds it there), and the next "
+                      "save's sweep retries", SafeckptWarning, stacklevel=2)
     for e in leftovers(root, store, dirnames):
         try:
             remove_entry(e, store)

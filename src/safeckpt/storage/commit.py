@@ -4,7 +4,8 @@ Single-process functions; ``safeckpt.engine.save`` runs each as a collective pha
 :class:`~safeckpt.storage.base.Storage` interface is used, so the same steps serve a local
 directory and an object store:
 
-1. begin   (coordinator)  check the target (an existing checkpoint needs ``overwrite``; anything
+1. begin   (coordinator)  put back a checkpoint an interrupted overwrite of the target set
+                          aside; check the target (an existing checkpoint needs ``overwrite``; anything
                           that is not a checkpoint is never replaced), draw the save's token and
                           let the storage prepare the staging place (a hidden directory on POSIX,
                           nothing on an object store, where files carry the token instead).
@@ -64,7 +65,10 @@ NOT_SHARED = (
 
 def begin(store: Storage, target: str, overwrite: bool) -> dict[str, str]:
     """Coordinator: check ``target``, prepare the staging place; returns what every rank needs
-    (``token``, ``path``), as JSON."""
+    (``token``, ``path``), as JSON. An overwrite of ``target`` killed half-way is undone first
+    (``Storage.put_back``): the checkpoint it set aside is ``target`` again, so it needs
+    ``overwrite`` like any committed one and is never silently lost."""
+    store.put_back(target)
     _check_target(store, target, overwrite)
     token = uuid.uuid4().hex[:12]
     return {"token": token, "path": store.stage(target, token)}
