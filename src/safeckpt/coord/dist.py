@@ -72,6 +72,10 @@ class _GroupState:
         self.seq = 0  # collectives run on the group; 0 while it is being created
         self.broken: str | None = None
         self.arrived: set[int] | None = None  # ranks seen at the setup rendezvous, while waiting
+        # this rank's own part of the current phase: its name, the first collective's seq, how
+        # long it took, and its error (a rank slower than the timeout is told so, see _late_text)
+        self.local: dict[str, Any] | None = None
+        self.behind: dict[int, int] = {}  # missing rank -> last collective it reached (diagnosis)
 
     @property
     def name(self) -> str:
@@ -253,6 +257,29 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\[[^\]]*/(gloo|c10d)/[^\]]*\]\s*", "", text)[:300]
 
 
+TIMEOUT_DOC = ("the argument, or $SAFECKPT_TIMEOUT; it bounds each phase, a rank's own work in "
+               "it included: see docs/reference/index.md")
+_DOING = {  # what a rank does in its own part of a phase, for people
+    "write": "writing its share of the checkpoint",
+    "agree": "preparing its state for the save",
+    "check": "reading and verifying its part of the checkpoint",
+    "apply": "applying the loaded state",
+    "stage": "copying its state aside",
+}
+
+
+def _gist(line: str) -> str:
+    """``Type: what happened`` of a one-line error, without the explanation that follows (which
+    may guess a cause that does not apply, such as an unshared directory)."""
+    kind, _, msg = line.partition(": ")
+    head = re.split(r": |\. ", msg, maxsplit=1)[0] if msg else ""
+    return f"{kind}: {head[:200]}" if head else kind
+
+
+def _doing(phase: str) -> str:
+    return _DOING.get(phase, f"working on phase {phase!r}")
+
+
 def _rank_list(raw: bytes | str) -> set[int]:
     """The ranks in an appended list (``"3,7,12,"``)."""
     text = raw.decode() if isinstance(raw, bytes) else raw
@@ -387,7 +414,7 @@ class Coordinator:
         commit: it published) though the phase failed; when a peer was lost and whether the
         coordinator completed is unknown, the message says so and gives both.
         """
-        payload, local_exc = _attempt(fn)
+        payload, local_exc = self._local_step(phase, fn)
         if self.world_size == 1:
             results = [payload]
         else:
@@ -416,7 +443,7 @@ class Coordinator:
         of ``resolve``, raises the same error on every rank, as :meth:`run` does; ``done_hint``
         as in :meth:`run` (the coordinator's ``resolve`` completed, e.g. it published).
         """
-        payload, local_exc = _attempt(local)
+        payload, local_exc = self._local_step(phase, local)
         if self.world_size == 1:
             if local_exc is not None:
                 self._raise_local(phase, local_exc, payload["error"], hint)
@@ -466,6 +493,17 @@ class Coordinator:
             return decision["value"]
         failures = {int(r): err for r, err in decision["failures"].items()}
         raise self._error(phase, failures, hint) from local_exc
+
+    def _local_step(self, phase: str, fn: Callable[[], Any]) -> tuple[dict[str, Any], BaseException | None]:
+        """``_attempt(fn)``, timed: how long this rank's own part of ``phase`` took is what tells
+        it, if the exchange then fails at once, that the others gave up waiting for it."""
+        started = time.monotonic()
+        payload, exc = _attempt(fn)
+        state = self._state
+        if state is not None:
+            state.local = {"phase": phase, "seq": state.seq + 1, "took": time.monotonic() - started,
+                           "error": None if payload["ok"] else _one_line(payload["error"])}
+        return payload, exc
 
     def mark_done(self) -> None:
         """Coordinator, inside a ``decide`` resolver: its decisive step (the publish) completed.
@@ -573,7 +611,14 @@ class Coordinator:
                     "because rank 0 gave up on the same wait and exited")
         tail = hint or (SETUP_HINT if phase == "setup" else DEFAULT_HINT)
         n = self.world_size
-        if gone:
+        local = state.local if state.local and state.local["phase"] == phase else None
+        gave_up = "timeout" in seen  # this rank, or the peer that closed, waited out the timeout
+        if (local is not None and not gone and not missing and state.seq == local["seq"]
+                and local["took"] >= 0.9 * self.timeout and elapsed < max(1.0, self.timeout / 2)):
+            # This rank came late: its own part of the phase took longer than the others wait,
+            # they gave up and closed the group just before it arrived.
+            text, failures = self._late_text(state, phase, local, seen, tail)
+        elif gone:
             before = [r for r in gone if r in missing]
             when = ("at or before" if store_error
                     else "before reaching" if len(before) == len(gone) else "during")
@@ -584,8 +629,24 @@ class Coordinator:
             )
             failures = {r: f"process exited {when} {phase!r}" for r in gone}
         elif missing:
+            doing = _doing(phase)
+            # still in its own part of this phase: it completed the exchange before it
+            working = local is not None and all(state.behind.get(r) == local["seq"] - 1 for r in missing)
             if all(r in alive for r in missing):
                 states = sorted({process_state(state.peers[r]) or "alive" for r in missing})
+                if working and gave_up:
+                    text = (
+                        f"{self.what} failed: rank(s) {_ranks(missing)} (of {n}) was still {doing} "
+                        f"(its own part of phase {phase!r}; its process is alive: {', '.join(states)}) "
+                        f"when the ranks waiting for it gave up after the {self.timeout:g}s timeout "
+                        f"(seen here: {seen}). Either its {doing.split(' ')[0]} takes longer than "
+                        f"`timeout` ({TIMEOUT_DOC}), or it hangs: check that rank's log. {tail}"
+                    )
+                    failures = {r: f"still {doing} ({phase!r}) after the {self.timeout:g}s timeout"
+                                for r in missing}
+                    who = f"rank(s) {_ranks(sorted(failures))}: "
+                    state.broken = f"{phase!r}: {who}{seen}"
+                    return RankFailure(text, failures)
                 why = f"and is still alive ({', '.join(states)}): hung, stopped, or busy outside safeckpt"
             else:
                 why = "(died, hung, or raised outside safeckpt)"
@@ -619,6 +680,27 @@ class Coordinator:
         who = f"rank(s) {_ranks(sorted(failures))}: " if failures else ""
         state.broken = f"{phase!r}: {who}{seen}"
         return RankFailure(text, failures)
+
+    def _late_text(self, state: _GroupState, phase: str, local: dict[str, Any], seen: str,
+                   tail: str) -> tuple[str, dict[int, str]]:
+        """The error of a rank whose own part of ``phase`` outlasted the timeout: the others
+        gave up waiting for it, so what it sees (a closed connection, the staging directory
+        removed, the store gone with rank 0) is the consequence, not a second failure."""
+        doing = _doing(phase)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        exited = [r for r in others if is_gone(state.peers[r])]
+        after = f"; rank(s) {_ranks(exited)} then exited" if exited else ""
+        own = (f" Its own step then ended with {_gist(local['error'])}: a consequence of the others "
+               "giving up (rank 0 removes what the failed call wrote), not a second fault."
+               if local["error"] else "")
+        text = (
+            f"{self.what} failed: this rank ({self.rank}) was still {doing} (its own part of phase "
+            f"{phase!r} took {local['took']:.1f}s here) when the other ranks gave up waiting for it "
+            f"after the {self.timeout:g}s timeout{after} (seen here: {seen}).{own} If its "
+            f"{doing.split(' ')[0]} normally takes this long, raise `timeout` ({TIMEOUT_DOC}). {tail}"
+        )
+        return text, {self.rank: f"still {doing} ({phase!r}, {local['took']:.1f}s) after the others' "
+                                 f"{self.timeout:g}s timeout"}
 
     def _settle_hint(self, state: _GroupState, phase: str, hint: str, done_hint: str, done: bool,
                      started: float) -> str:
@@ -668,6 +750,7 @@ class Coordinator:
         store_error = ""
         missing: list[int] = []
         survivors: set[int] = set()
+        last: dict[int, int] = {}  # the last collective each missing rank reached
 
         def markers(store: Any) -> tuple[list[int], set[int], dict[int, Any]]:
             # O(1) requests whatever the world size (each survivor asks once; at 1,024 ranks a
@@ -686,7 +769,9 @@ class Coordinator:
                     records = {r: json.loads(raw) for r, raw in zip(unknown, raws, strict=True)}
             else:  # every arrival marker exists since setup (see _create_group)
                 values = store.multi_get([f"{state.key}/arrived/{r}" for r in others])
-                absent = [r for r, v in zip(others, values, strict=True) if int(v.decode()) < state.seq]
+                marks = {r: int(v.decode()) for r, v in zip(others, values, strict=True)}
+                absent = [r for r in others if marks[r] < state.seq]
+                last.update({r: marks[r] for r in absent})
             return absent, saw, records
 
         try:
@@ -708,6 +793,7 @@ class Coordinator:
                 break  # found, out of time, or no peer whose exit could still show
             time.sleep(0.02)  # a killed peer's sockets close just before it shows as exited
         alive = [r for r in others if status[r] is False]
+        state.behind = last
         return gone, missing, alive, store_error
 
     def _mark_failed(self, state: _GroupState) -> None:
