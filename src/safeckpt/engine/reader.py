@@ -27,7 +27,7 @@ import xxhash
 from ..errors import CorruptCheckpoint, StorageUnavailable
 from ..format.manifest import dtype_size, safe_file_path, torch_dtype
 from ..format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
-from ..format.sharding import box_at, dims_of
+from ..format.sharding import local_box, placement_of  # noqa: F401 - placement_of: re-exported for older importers
 from ..format.tree import is_dtensor, local_of
 from ..format.v3 import FORMAT_V3, Layout
 from ..storage.base import Storage, storage_for
@@ -90,56 +90,6 @@ def max_open_files() -> int:
     except OSError:  # no /proc: assume a busy process
         used = min(soft // 2, 256)
     return max(2, min(MAX_OPEN_FILES, (soft - used) // 4))
-
-
-def local_box(t: torch.Tensor) -> Box:
-    """[global offsets, local sizes] of this rank's part of ``t`` (the whole of a plain tensor)."""
-    if is_dtensor(t):
-        return _dtensor_box(t)
-    return [[0] * t.dim(), list(t.shape)]
-
-
-_BOXES: dict[tuple, tuple[Any, Box]] = {}  # (mesh id, placements, shape) -> (mesh, box)
-
-
-def _dtensor_box(t: Any) -> Box:
-    """A DTensor's box by the Shard/Replicate rule (``_sharding``), cached per mesh,
-    placements and shape, and checked against its local shard's shape; torch's own function
-    (~0.3 ms a call: most of an FSDP2 save of 1,000 tensors) for anything else."""
-    mesh = t.device_mesh
-    key = (id(mesh), tuple(t.placements), tuple(t.shape))
-    hit = _BOXES.get(key)
-    if hit is None or hit[0] is not mesh:
-        dims = dims_of(t)
-        coord = mesh.get_coordinate()
-        box: Box | None = None
-        if dims is not None and coord is not None:
-            offsets, sizes = box_at(list(t.shape), list(mesh.shape), coord, dims)
-            box = [offsets, sizes]
-        hit = (mesh, box)
-        if len(_BOXES) > 4096:
-            _BOXES.clear()
-        _BOXES[key] = hit
-    box = hit[1]
-    if box is not None and list(local_of(t).shape) == box[1]:
-        return [list(box[0]), list(box[1])]
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return [list(offset), list(shape)]
-
-
-def placement_of(t: torch.Tensor) -> dict[str, Any] | None:
-    """How a DTensor is laid out (recorded in the manifest for information; reading needs only
-    each chunk's box): mesh shape and dim names, and one placement per mesh dim."""
-    if not is_dtensor(t):
-        return None
-    mesh = t.device_mesh
-    return {
-        "mesh_shape": list(mesh.shape),
-        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        "placements": [str(p) for p in t.placements],
-    }
 
 
 def host_addressable(t: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ from ..errors import CheckpointError, RankMismatch
 from ..format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from ..format.manifest_text import encode as encode_manifest_text
 from ..format.sharding import Mesh, box_at, dims_of, mesh_record
+from ..format.sharding import local_box as _local_box
 from ..format.tree import EncodedObject, Leaf, encode_state, local_of, param_names
 from ..storage import commit as _commit
 from ..storage.base import Storage, resolve, storage_for
@@ -52,7 +53,6 @@ from . import frozen as _frozen
 from .extra import WriteFiles
 from .gc_pause import paused_gc
 from .plan import MeshInfo, SavePlan, build_plan, cached_plan, find_aliases
-from .reader import local_box as _local_box
 from .replicas import ddp_broadcast_buffers, replica_digest
 from .request import NO_HOOKS, CommitHooks, SaveRequest
 from .staging import PendingCopies, SnapshotPool, copy_aside
