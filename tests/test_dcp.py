@@ -224,7 +224,9 @@ def test_fsdp2_save_at_4_is_a_safeckpt_checkpoint(saved4):
     root, outs = saved4
     ckpt = os.path.join(root, "ckpt")
     assert sorted(os.listdir(root)) == ["async", "ckpt", "mgr"]  # report 5's paths: nothing at all
-    assert sorted(os.listdir(ckpt)) == ["dcp_metadata.json", "manifest.json"] + [
+    # .metadata: DCP's own (pickled) Metadata, for tools that look for it (issue 29); no
+    # safeckpt reader opens it
+    assert sorted(os.listdir(ckpt)) == [".metadata", "dcp_metadata.json", "manifest.json"] + [
         f"rank-0000{r}.safetensors" for r in range(4)]
     report = safeckpt.verify(ckpt)
     assert report.ok, report.problems
@@ -242,8 +244,11 @@ def test_fsdp2_save_at_4_is_a_safeckpt_checkpoint(saved4):
         assert torch.equal(flat[f"optim/state/{k}/exp_avg"], _t(v)), k
     assert flat["trainer/epoch"] == 3 and flat["trainer/betas"] == (0.9, 0.99)
     assert flat["optim/param_groups"][0]["lr"] == 0.01
-    # no pickle anywhere in the checkpoint: JSON and safetensors only
+    # no pickle anywhere in the checkpoint but DCP's own .metadata (issue 29: for tools that look
+    # for it; no safeckpt reader opens it): JSON and safetensors only
     for name in os.listdir(ckpt):
+        if name == ".metadata":
+            continue
         with open(os.path.join(ckpt, name), "rb") as f:
             head = f.read(2)
         assert head[:1] != b"\x80", name  # pickle protocol 2+ opcode PROTO
@@ -523,11 +528,11 @@ def test_existing_target_overwrite_and_empty_directory(tmp_path):
     path = str(tmp_path / "c")
     os.makedirs(path)  # pre-created, empty (as field report 5's script does): not in the way
     _save1(path, {"w": torch.ones(3)})
-    with pytest.raises(BaseException) as info:
-        _save1(path, {"w": torch.full((3,), 2.0)})
+    with pytest.raises(BaseException) as info:  # refused when asked to (issue 29: the default replaces)
+        _save1(path, {"w": torch.full((3,), 2.0)}, overwrite=False)
     assert isinstance(safeckpt.dcp.safeckpt_error(info.value) or info.value, safeckpt.CheckpointExists)
     assert torch.equal(safeckpt.read_state_dict(path)["w"], torch.ones(3))
-    _save1(path, {"w": torch.full((3,), 2.0)}, overwrite=True)
+    _save1(path, {"w": torch.full((3,), 2.0)})
     assert torch.equal(safeckpt.read_state_dict(path)["w"], torch.full((3,), 2.0))
     assert dist_harness.leftovers(str(tmp_path)) == []
     # not a safeckpt checkpoint (e.g. DCP's own directory): refused even with overwrite

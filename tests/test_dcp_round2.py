@@ -72,11 +72,12 @@ def _two_ranks(rank, world, root):
     out["failed_leftovers"] = dist_harness.leftovers(root)
     out["failed_exists"] = os.path.exists(os.path.join(root, "failed"))
 
-    # Saving over an existing checkpoint: refused by default, replaced with overwrite=True
+    # Saving over an existing checkpoint: refused with overwrite=False, replaced by default (as
+    # stock DCP overwrites)
     again = _state(rank)
     again["epoch"] = 6
-    out["exists"] = dist_harness.attempt(lambda: _translated(again, ckpt))
-    dcp.save(again, storage_writer=safeckpt.dcp.StorageWriter(ckpt, overwrite=True, dot_metadata=True))
+    out["exists"] = dist_harness.attempt(lambda: _translated(again, ckpt, overwrite=False))
+    dcp.save(again, storage_writer=safeckpt.dcp.StorageWriter(ckpt))
     target = _blank(rank)
     dcp.load(target, storage_reader=safeckpt.dcp.StorageReader(ckpt))
     out["replaced_epoch"] = target["epoch"]
@@ -85,9 +86,9 @@ def _two_ranks(rank, world, root):
     return out
 
 
-def _translated(state, path):
+def _translated(state, path, **kw):
     with safeckpt.dcp.translate_errors():
-        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path))
+        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(path, **kw))
 
 
 def test_bytes_dot_metadata_failed_save_and_overwrite_at_two_ranks(tmp_path, monkeypatch):

@@ -114,8 +114,8 @@ def _run_a(rank: int, world: int, ep: str) -> dict:
     _train(model, opt)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "trainer": {"epoch": 4, "betas": (0.9, 0.99)}}
-    out["exists"] = dist_harness.attempt(lambda: _translated(state, url, opts))
-    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(url, storage_options=opts, overwrite=True))
+    out["exists"] = dist_harness.attempt(lambda: _translated(state, url, opts, overwrite=False))
+    dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(url, storage_options=opts))
     out["overwritten"] = _full(msd)
 
     # A manager root on the object store: retention after each commit (keep_last=1).
@@ -134,9 +134,9 @@ def _dense(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _translated(state, url, opts):
+def _translated(state, url, opts, **kw):
     with safeckpt.dcp.translate_errors():
-        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(url, storage_options=opts))
+        dcp.save(state, storage_writer=safeckpt.dcp.StorageWriter(url, storage_options=opts, **kw))
 
 
 def test_dcp_on_s3_two_ranks_save_load_async_overwrite_manager(endpoint):

@@ -267,15 +267,16 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
     """DCP storage writer: agreed path, staged writes, checked atomic commit, no pickle.
 
     ``path``: the checkpoint directory (every rank must pass the same one; ``checkpoint_id``
-    given to ``dcp.save`` replaces it). ``overwrite``: replace an existing checkpoint there
-    atomically (the old one stays until the new one is committed); without it an existing
-    checkpoint raises :class:`~safeckpt.CheckpointExists`. An existing *empty* directory is
-    not in the way. ``metadata``: JSON stored in the manifest (``safeckpt inspect`` shows it).
+    given to ``dcp.save`` replaces it). ``overwrite`` (default True, as stock DCP overwrites): an
+    existing checkpoint there is replaced atomically (the old one stays until the new one is
+    committed); ``overwrite=False`` refuses it with :class:`~safeckpt.CheckpointExists`. An
+    existing *empty* directory is not in the way. ``metadata``: JSON stored in the manifest (``safeckpt inspect`` shows it).
     ``step``: the training step recorded in the manifest; by default taken from the directory's
     name when it is one frameworks use (``step-0000000100`` as CheckpointManager names them,
     torchtitan's ``step-100``, ``checkpoint-100``, ``checkpoint_100``, ``global_step100``,
     Lightning's ``epoch=2-step=100``), so a manager, ``safeckpt ls`` and ``safeckpt gc`` see it.
-    ``dot_metadata``: also commit a ``.metadata`` file holding DCP's own (pickled) ``Metadata``,
+    ``dot_metadata`` (default: on for filesystem paths, off for object stores; ``False`` leaves it
+    out): also commit a ``.metadata`` file holding DCP's own (pickled) ``Metadata``,
     for tools that recognise a DCP checkpoint by it (torchtitan's resume discovery, Lightning);
     its size and xxh3-128 are in the manifest, and no safeckpt reader opens it. Stock
     ``FileSystemReader`` given such a checkpoint stops at its first item with one line naming
@@ -292,14 +293,15 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
     that dies leaves it to the next save's sweep or ``safeckpt gc``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False,
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = True,
                  metadata: Mapping[str, Any] | None = None, step: int | None = None,
-                 dot_metadata: bool = False,
+                 dot_metadata: bool | None = None,
                  storage_options: Mapping[str, Any] | None = None, timeout: float | None = None) -> None:
         super().__init__()
         self.storage_options = dict(storage_options) if storage_options else None
         self.timeout = timeout
-        self.dot_metadata = bool(dot_metadata)
+        self._dot_choice = dot_metadata  # None: wherever the storage can hold it
+        self.dot_metadata = False
         self._at(path)
         self.overwrite = bool(overwrite)
         self.step = step
@@ -317,6 +319,8 @@ class StorageWriter(_OnStorage, _dcp.StorageWriter):
 
     def _at(self, path: str | os.PathLike[str]) -> None:
         super()._at(path)
+        choice = getattr(self, "_dot_choice", None)
+        self.dot_metadata = (not is_remote(self.path)) if choice is None else bool(choice)
         if self.dot_metadata and is_remote(self.path):
             raise ValueError(
                 f"dot_metadata=True writes a .metadata file beside the checkpoint's files, which "

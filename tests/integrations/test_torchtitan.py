@@ -39,8 +39,7 @@ pytestmark = pytest.mark.timeout(240)
 
 class _SafeckptDCP:
     """What torchtitan's checkpointer sees as ``dcp`` after the user's change: ``dcp.save`` /
-    ``dcp.async_save`` given ``safeckpt.dcp.StorageWriter(checkpoint_id, overwrite=True,
-    dot_metadata=True)``, ``dcp.load`` given ``safeckpt.dcp.StorageReader(checkpoint_id)``."""
+    ``dcp.async_save`` given ``safeckpt.dcp.StorageWriter(checkpoint_id)``, ``dcp.load`` given ``safeckpt.dcp.StorageReader(checkpoint_id)``."""
 
     calls: list[str] = []
 
@@ -49,7 +48,7 @@ class _SafeckptDCP:
         if storage_writer is not None:  # torchtitan's HF export: its own writer
             return storage_writer
         _SafeckptDCP.calls.append(f"save {os.path.basename(checkpoint_id)}")
-        return safeckpt.dcp.StorageWriter(checkpoint_id, overwrite=True, dot_metadata=True)
+        return safeckpt.dcp.StorageWriter(checkpoint_id)  # the defaults: replace, commit .metadata
 
     @staticmethod
     def save(state_dict, *, storage_writer=None, checkpoint_id=None, **kw):
