@@ -123,3 +123,20 @@ def test_damage_to_a_per_rank_copy_a_1_process_read_never_reads_is_benign_when_d
     assert "SILENT" in r["bad"], r
     r = _forged_rank1_copy(verify_deep_ok=False, read_diff="t[0]: 1.0 != 2.0")  # values must be equal
     assert "SILENT" in r["bad"], r
+
+
+def test_the_oracle_measures_each_calls_own_peak_memory_and_time_limits_are_bad() -> None:
+    """Issue 27: a call that takes too long (SLOW) or too much memory (MEMORY) is a failure, and
+    a call's memory is its own peak (the kernel's mark is reset before each call), not hidden
+    by an earlier call's higher peak."""
+    from tests.helpers import fuzz_oracle as oracle
+
+    assert {"SLOW", "MEMORY", "HANG"} <= set(BAD)
+    start = oracle._reset_peak()
+    big = bytearray(300 << 20)
+    big[::4096] = b"\1" * len(range(0, len(big), 4096))  # touch every page
+    del big
+    assert oracle._call_peak_mb(start) > 250
+    start = oracle._reset_peak()
+    if oracle._status_mb("VmHWM") is not None:  # Linux: the mark was reset, the 300 MB is not counted again
+        assert oracle._call_peak_mb(start) < 100

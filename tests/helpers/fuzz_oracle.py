@@ -7,6 +7,10 @@ root (which also holds the older, valid checkpoint), ``CheckpointManager.list`` 
 (``safeckpt verify``, ``inspect``, ``ls``: exit 70 or a traceback is a NON_CHECKPOINT_ERROR).
 The pool bounds each call (HANG). An audit hook records every file opened during a call whose
 real path is outside the checkpoint (OUTSIDE_READ); peak RSS growth over 200 MB is MEMORY.
+Every call also has its own limits (issue 27: a 6,000-box manifest took 67 s to verify, a
+32 MiB index cost 771 MiB): a call that returns but took over CALL_SECS is SLOW, and one whose
+own peak RSS (the kernel's high-water mark, reset before each call) grew by over CALL_MEMORY_MB
+is MEMORY.
 
 Outcomes (a mutant may have several bad ones):
 
@@ -28,7 +32,7 @@ Outcomes (a mutant may have several bad ones):
   than IncompatibleCheckpoint, which depends on the target state).
 - RESTORE_NO_FALLBACK: restore started fresh (None), or raised something other than
   CorruptCheckpoint (forged consistent edits may raise what load raised).
-- OUTSIDE_READ, HANG, MEMORY, CRASH (the worker died).
+- OUTSIDE_READ, HANG, SLOW, MEMORY, CRASH (the worker died).
 """
 
 from __future__ import annotations
@@ -49,11 +53,13 @@ from tests.helpers.fuzz_files import apply
 from tests.helpers.fuzz_mutants import Mutant
 
 BAD = ("SILENT", "NON_CHECKPOINT_ERROR", "STATE_MODIFIED_ON_FAILURE", "VERIFY_OK_BUT_LOAD_FAILS",
-       "RESTORE_NO_FALLBACK", "OUTSIDE_READ", "HANG", "MEMORY", "CRASH")
+       "RESTORE_NO_FALLBACK", "OUTSIDE_READ", "HANG", "SLOW", "MEMORY", "CRASH")
 GOOD = ("CAUGHT", "BENIGN", "FORGED_LOADED")
 CALLS = ("verify_deep", "verify_shallow", "read", "load", "restore", "list", "cli")
 CLI_INTERNAL = 70  # the CLI's exit code for an unexpected exception (a bug)
 MEMORY_MB = 200
+CALL_SECS = 20.0  # a legit call on the largest sample manifest: ~10 s on a busy VM; HANG comes later
+CALL_MEMORY_MB = 150  # a call's own peak RSS growth
 
 # ------------------------------------------------------------------ worker side
 _WATCH: tuple[str, str] | None = None
@@ -94,6 +100,36 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in MB, or None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> float:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux: clear_refs 5), so that the
+    next :func:`_call_peak_mb` sees this call's own peak, not an earlier call's; returns the
+    RSS to measure growth from (ru_maxrss, which cannot be reset, without /proc)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return _maxrss_mb()
+    rss = _status_mb("VmRSS")
+    return rss if rss is not None else _maxrss_mb()
+
+
+def _call_peak_mb(start: float) -> float:
+    hwm = _status_mb("VmHWM")
+    return (hwm if hwm is not None else _maxrss_mb()) - start
 
 
 def _where(exc: BaseException) -> str:
@@ -167,8 +203,9 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
     before = snapshot(state) if state is not None else None
     watched = ckpt if name not in ("restore", "list", "cli") else root
     _WATCH = (os.path.abspath(watched), os.path.realpath(watched))
-    t0 = time.monotonic()
     rss0 = _maxrss_mb()
+    peak0 = _reset_peak()
+    t0 = time.monotonic()
     try:
         if name.startswith("verify"):
             report = safeckpt.verify(ckpt, deep=name == "verify_deep")
@@ -204,7 +241,8 @@ def _call(name: str, ckpt: str, root: str, refs: Refs, progress: Any) -> dict[st
             gc.collect()
         _WATCH = None
         out["secs"] = round(time.monotonic() - t0, 3)
-        out["rss_mb"] = round(_maxrss_mb() - rss0)  # growth of the peak during this call
+        out["rss_mb"] = round(_maxrss_mb() - rss0)  # growth of the process's peak during this call
+        out["peak_mb"] = round(_call_peak_mb(peak0))  # this call's own peak over its start
     return out
 
 
@@ -335,6 +373,12 @@ def classify(m: Mutant, calls: dict[str, dict[str, Any]], outside: dict[str, lis
         add("SILENT", "restore loaded the edited step 2")
     if outside:
         add("OUTSIDE_READ", "; ".join(f"{k}: {', '.join(v)}" for k, v in outside.items()))
+    slow = {n: c["secs"] for n, c in calls.items() if c.get("secs", 0) > CALL_SECS}
+    if slow:
+        add("SLOW", ", ".join(f"{n} took {secs:.1f}s (limit {CALL_SECS:.0f}s)" for n, secs in slow.items()))
+    heavy = {n: c["peak_mb"] for n, c in calls.items() if c.get("peak_mb", 0) > CALL_MEMORY_MB}
+    if heavy and rss <= MEMORY_MB:
+        add("MEMORY", ", ".join(f"{n}: peak RSS +{mb} MB (limit {CALL_MEMORY_MB} MB)" for n, mb in heavy.items()))
     if rss > MEMORY_MB:
         where = ", ".join(f"{n} +{c['rss_mb']} MB in {c['secs']:.1f}s" for n, c in calls.items() if c.get("rss_mb", 0) > 20)
         add("MEMORY", f"peak RSS grew by {rss:.0f} MB ({where})")

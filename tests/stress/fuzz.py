@@ -130,7 +130,7 @@ def signature(label: str, r: dict[str, Any]) -> str:
     what = re.sub(r"\d+", "N", r["mutant"]["desc"])[:70]
     if label == "HANG":
         return f"{detail.split(' did not')[0]} | {detail.split('(')[-1].split(':')[0]} | {what}"
-    if label == "MEMORY":
+    if label in ("MEMORY", "SLOW"):
         return f"{r['mutant']['cls']} | {what}"
     return re.sub(r"/tmp/\S+", "...", re.sub(r"\d+", "N", detail))[:100]
 
