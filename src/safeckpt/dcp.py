@@ -46,12 +46,10 @@ import functools
 import io
 import os
 import pickle
-import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -79,8 +77,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._version import __version__
+from .coord.dist import distributed_active
 from .engine.reader import open_manifest
+from .engine.save import manifest_head
 from .errors import (
     PORTABLE_ERRORS,
     CheckpointError,
@@ -104,7 +103,6 @@ from .format.dcp_layout import (
     parse_dcp_document,
 )
 from .format.manifest import (
-    FORMAT,
     dtype_code,
     encode_manifest,
     open_regular,
@@ -235,7 +233,7 @@ def _rank_of(kwargs: Mapping[str, Any]) -> int:
     rank = kwargs.get("rank")
     if isinstance(rank, int):
         return rank
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if distributed_active() else 0
 
 
 class _OnStorage:
@@ -704,22 +702,9 @@ def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results:
         _write_new(os.path.join(staging.staging, DOT_METADATA), raw_dot)
         info["dot_metadata"] = {"file": DOT_METADATA, "size": len(raw_dot),
                                 "xxh3_128": xxhash.xxh3_128_hexdigest(raw_dot)}
-    now = time.time()
-    man = {
-        "format": FORMAT,
-        "format_version": MANIFEST_FORMAT_VERSION,
-        "step": step,
-        "world_size": max(1, len(results)),
-        "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "created_unix": now,
-        "safeckpt_version": __version__,
-        "torch_version": torch.__version__,
-        "metadata": {**user, MANIFEST_KEY: info},
-        "metrics": {},
-        "files": files,
-        "objects": objects,
-        "tensors": tensors,
-    }
+    man = {**manifest_head(step=step, world_size=max(1, len(results)), metadata={**user, MANIFEST_KEY: info},
+                           metrics={}, files=files, format_version=MANIFEST_FORMAT_VERSION),
+           "objects": objects, "tensors": tensors}
     raw = encode_manifest(man)
     parse_manifest(raw, staging.staging)  # what is published must read back: validate it first
     target = staging.path

@@ -553,12 +553,14 @@ def _retry_missing_dir(fn: Any, staging: str, attempts: int = 50) -> Any:
 
 
 def manifest_head(*, step: int | None, world_size: int, metadata: Mapping[str, Any], metrics: Mapping[str, Any],
-                  files: dict[str, Any], rank_trees: list[int], meshes: list[Any]) -> dict[str, Any]:
-    """A manifest's top-level fields before ``objects`` and ``tensors`` (every save path's)."""
+                  files: dict[str, Any], rank_trees: list[int] | None = None, meshes: list[Any] | None = None,
+                  format_version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """A manifest's top-level fields before ``objects`` and ``tensors``, for every save path
+    (format 3's ``rank_trees`` and ``meshes`` where given; a DCP save writes format 2)."""
     now = time.time()
-    return {
+    head = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version,
         "step": step,
         "world_size": world_size,
         "created_at": datetime.fromtimestamp(now, UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -568,6 +570,9 @@ def manifest_head(*, step: int | None, world_size: int, metadata: Mapping[str, A
         "metadata": metadata,
         "metrics": metrics,
         "files": files,
-        "rank_trees": rank_trees,
-        "meshes": meshes,
     }
+    if rank_trees is not None:
+        head["rank_trees"] = rank_trees
+    if meshes is not None:
+        head["meshes"] = meshes
+    return head
