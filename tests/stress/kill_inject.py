@@ -15,6 +15,11 @@ collective step is a ``Coordinator.decide`` (each rank runs its local part; one 
 - ``<phase>-resolve`` (rank 0 only): die when rank 0 starts resolving, every value gathered;
 - ``<phase>-decided`` (rank 0 only): die after rank 0 resolved, before the broadcast.
 
+With ``overwrite`` in the spec the crash job's first save re-saves the step it restored (an
+overwrite, as a restarted job that saves its first step again does), and the point
+``save/commit-mid-publish`` kills rank 0 between the two renames such an overwrite takes where
+renameat2's flags are refused (NFS, FUSE).
+
 The phases: ``pick`` and ``check`` (the start-up restore; the load's ``apply`` is local plus
 one all-reduce), ``agree`` and ``write`` (each managed save; rank 0 stages in agree's resolve
 and publishes and applies retention in write's resolve), ``retain`` (``mgr.retain()``). Other
@@ -74,6 +79,7 @@ POINTS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "save/write-resolve": (BOTH, R0, True),
     "save/commit-before-publish": (BOTH, R0, True),
     "save/commit-after-publish": (BOTH, R0, True),
+    "save/commit-mid-publish": (BOTH, R0, True),
     "save/retain": (BOTH, R0, True),
     "save/retain-mid": (BOTH, R0, True),
     "save/write-decided": (BOTH, R0, True),
@@ -83,6 +89,9 @@ POINTS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "retain/retain-decided": (BOTH, R0, False),
     "close/preempted": (BOTH, ANY, False),
 }
+# Points drawn only for overwrites (``--overwrite``) on a filesystem that refuses renameat2's
+# flags (``--workdir`` on NFS or a FUSE mount): between the two renames of an overwrite.
+OVERWRITE_POINTS = ("save/commit-mid-publish",)
 # Points where method "raise" applies: the step raises (OSError) instead of the process dying.
 RAISE_POINTS = ("save/retain", "save/retain-mid")
 # Points after rank 0 published the killed save (the checkpoint must be on disk afterwards)
@@ -110,6 +119,7 @@ PHASE_POINTS: dict[str, tuple[str, str]] = {
     "save/write-resolve": ("write", "resolve"),
     "save/commit-before-publish": ("write", "inside"),
     "save/commit-after-publish": ("write", "inside"),
+    "save/commit-mid-publish": ("write", "inside"),
     "save/retain": ("write", "inside"),
     "save/retain-mid": ("write", "inside"),
     "save/write-decided": ("write", "decided"),
@@ -236,6 +246,8 @@ class Killer:
             self._patch_file_writes()
         elif where in ("commit-before-publish", "commit-after-publish"):
             self._patch_publish(before=where == "commit-before-publish")
+        elif where == "commit-mid-publish":
+            self._patch_mid_publish()
         elif where == "retain":
             self._patch_retention_entry()
         elif where == "retain-mid":
@@ -461,6 +473,21 @@ class Killer:
 
         commit_mod.publish = publish
 
+    def _patch_mid_publish(self) -> None:
+        """Between an overwrite's two renames (no atomic swap): the old checkpoint moved to its
+        replaced name, the new one not yet in place."""
+        import safeckpt.storage.posix as posix_mod
+
+        killer = self
+        real = posix_mod._rename
+
+        def rename(src: str, dst: str) -> None:
+            real(src, dst)
+            if killer.armed and posix_mod.replaced_final(os.path.basename(dst)) is not None:
+                killer.die()
+
+        posix_mod._rename = rename
+
     def _patch_retention_entry(self) -> None:
         import safeckpt.manager as manager_mod
 
@@ -584,6 +611,8 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
             if job == "crash":
                 _committed(trial_dir, rank, step)
         start = 0 if step is None else step
+        if job == "crash" and spec.get("overwrite") and step is not None:
+            start = step - 1  # the first save re-saves the restored step: an overwrite
         count = SEED_STEPS if job == "seed" else SAVES if job == "crash" else 1
         for i, s in enumerate(range(start + 1, start + 1 + count)):
             out["where"] = f"save {s}"

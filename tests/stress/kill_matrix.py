@@ -53,7 +53,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tests.stress import kill_inject
-from tests.stress.kill_inject import AFTER_PUBLISH, POINTS, RAISE_POINTS, SAVES, SEED_STEPS
+from tests.stress.kill_inject import (
+    AFTER_PUBLISH,
+    OVERWRITE_POINTS,
+    POINTS,
+    RAISE_POINTS,
+    SAVES,
+    SEED_STEPS,
+)
 
 RUN_BUDGET = 180.0  # seconds a job may take before its kill (or in total, without one)
 MISLEADING = ("No checkpoint was published", "Nothing was written")
@@ -68,14 +75,16 @@ def free_port() -> int:
 
 
 def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3, 4),
-           points: Sequence[str] | None = None) -> dict[str, Any]:
-    """Trial ``index`` of ``seed``: the same spec every time."""
+           points: Sequence[str] | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Trial ``index`` of ``seed``: the same spec every time. ``overwrite``: the crash job's
+    first save overwrites the step it restored (and ``OVERWRITE_POINTS`` may be drawn)."""
     rng = random.Random(f"kill-matrix-{seed}-{index}")
     mode = rng.choice(["sync", "async"])
-    names = [p for p in (points or POINTS) if mode in POINTS[p][0]]
+    drawable = [p for p in (points or POINTS) if overwrite or p not in OVERWRITE_POINTS]
+    names = [p for p in drawable if mode in POINTS[p][0]]
     if not names:  # the chosen points exist only for the other mode
         mode = "async" if mode == "sync" else "sync"
-        names = [p for p in (points or POINTS) if mode in POINTS[p][0]]
+        names = [p for p in drawable if mode in POINTS[p][0]]
     point = rng.choice(names)
     world = rng.choice(list(worlds))
     if point.endswith("/connect") and _lazy(world):
@@ -83,12 +92,17 @@ def sample(seed: int, index: int, timeout: float, worlds: Sequence[int] = (2, 3,
         point = rng.choice([p for p in names if not p.endswith("/connect")] or names)
     victim = 0 if POINTS[point][1] else rng.randrange(world)
     methods = ["sigkill", "exit"] + (["raise"] if point in RAISE_POINTS else [])
-    return {
+    spec = {
         "trial": index, "seed": seed, "world": world, "mode": mode, "point": point,
         "victim": victim, "method": rng.choice(methods),
         "occurrence": rng.randint(1, SAVES - 1), "store_ops": rng.randint(1, 3),
         "keep_last": rng.choice([1, 2]), "timeout": timeout, "store_timeout": 60.0,
     }
+    if overwrite:
+        spec["overwrite"] = True
+        if point in OVERWRITE_POINTS:
+            spec["occurrence"] = 1  # only the first save is an overwrite
+    return spec
 
 
 def _lazy(world: int) -> bool:
@@ -161,18 +175,27 @@ def inspect_root(root: str) -> dict[str, Any]:
     import safeckpt
     from safeckpt.format.manifest import STAGING_MARK, TRASH_MARK
     from safeckpt.storage.catalog import parse_step
+    from safeckpt.storage.posix import replaced_final
 
     valid: list[int] = []
     partial: list[str] = []
     wrong: list[str] = []
     odd: list[str] = []
-    for name in sorted(os.listdir(root)):
+    names = sorted(os.listdir(root))
+    for name in names:
         path = os.path.join(root, name)
-        if name.startswith("."):
-            if name != ".safeckpt.lock" and STAGING_MARK not in name and TRASH_MARK not in name:
+        # An overwrite killed between its renames (no renameat2 flags): the old checkpoint under
+        # its replaced name is the step's while that name is free (restore loads it from there).
+        final = replaced_final(name)
+        if final is not None and final not in names:
+            step = parse_step(final)
+        elif name.startswith("."):
+            if (name != ".safeckpt.lock" and STAGING_MARK not in name and TRASH_MARK not in name
+                    and final is None):
                 odd.append(name)
             continue
-        step = parse_step(name)
+        else:
+            step = parse_step(name)
         report = safeckpt.verify(path, deep=True)
         if step is None or not report.ok:
             partial.append(f"{name}: {'; '.join(report.problems)[:300]}")
@@ -233,9 +256,12 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[int, str], workdir: st
     if disk["odd_hidden"]:
         problems.append(f"unexpected hidden entries: {disk['odd_hidden']}")
     per_save = POINTS[spec["point"]][2]
-    killed_step = SEED_STEPS + (kill.get("call") or spec["occurrence"]) if per_save and kill else None
+    first = SEED_STEPS if spec.get("overwrite") else SEED_STEPS + 1  # the crash job's first save
+    killed_step = first - 1 + (kill.get("call") or spec["occurrence"]) if per_save and kill else None
     res["killed_step"] = killed_step
     published = killed_step is not None and killed_step in disk["valid"]
+    if spec.get("overwrite") and killed_step == SEED_STEPS:  # valid before the save: the old one
+        published = spec["point"] in AFTER_PUBLISH
     raised = spec["method"] == "raise"
     if killed_step is not None and (spec["point"] in AFTER_PUBLISH or raised) and not published:
         res["lost"] = True
@@ -285,7 +311,8 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[int, str], workdir: st
         bad += [f"rank {r}: restored values differ: {o['restore_mismatch']}"
                 for r, o in sorted(outs.items()) if o.get("restore_mismatch")]
         if len(outs) < spec["world"] or restart["hung"]:
-            bad.append(f"restart: ranks missing {sorted(set(range(spec['world'])) - set(outs))}, hung {restart['hung']}")
+            bad.append(f"restart: ranks missing {sorted(set(range(spec['world'])) - set(outs))}, hung {restart['hung']} "
+                       f"(exit codes {restart['exitcodes']})")
         after = inspect_root(root)
         if newest + 1 not in after["valid"]:
             bad.append(f"restart: its save of step {newest + 1} is not a valid checkpoint")
@@ -322,10 +349,11 @@ def context() -> Any:
 
 def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 10.0,
                worlds: Sequence[int] = (2, 3, 4), points: Sequence[str] | None = None,
-               only: Sequence[int] | None = None, **kwargs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               only: Sequence[int] | None = None, overwrite: bool = False,
+               **kwargs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run trials ``0..trials-1`` (or ``only``) of ``seed``; return (summary, per-trial results)."""
     indices = list(only) if only else list(range(trials))
-    specs = [sample(seed, i, timeout, worlds, points) for i in indices]
+    specs = [sample(seed, i, timeout, worlds, points, overwrite) for i in indices]
     return run_specs(specs, seed=seed, timeout=timeout, slack=slack, **kwargs)
 
 
@@ -459,6 +487,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write every trial's result here")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the directories of bad trials")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="the crash job's first save overwrites the restored step; draws "
+                         "save/commit-mid-publish too (for a --workdir on NFS or a FUSE mount)")
     args = ap.parse_args(argv)
     points = [p for p in args.points.split(",") if p]
     unknown = set(points) - set(POINTS)
@@ -468,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.trials, args.seed, timeout=args.timeout, slack=args.slack,
         worlds=[int(w) for w in args.worlds.split(",")], points=points or None,
         only=[int(i) for i in args.only.split(",") if i], workdir=args.workdir, keep=args.keep,
+        overwrite=args.overwrite,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     command = f".venv/bin/python -m tests.stress.kill_matrix --trials {args.trials} --seed {args.seed}"
@@ -475,6 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --worlds {args.worlds}"
     if args.timeout != 10.0:
         command += f" --timeout {args.timeout:g}"
+    if args.overwrite:
+        command += " --overwrite"
+    if args.workdir:
+        command += f" --workdir {args.workdir}"
     table = table_markdown(summary, command)
     print(table)
     if args.out:
