@@ -37,6 +37,7 @@ from ..coord.verify_split import (
 )
 from ..errors import CorruptCheckpoint, IncompatibleCheckpoint, RankMismatch, SafeckptWarning
 from ..format.manifest import CHECKSUM_FIELD, CheckpointInfo, dtype_size
+from ..format.sharding import local_box
 from ..format.tree import (
     KEEP,
     PER_RANK_ATTR,
@@ -58,7 +59,7 @@ from . import frozen as _frozen
 from . import optim as _optim
 from .gc_pause import paused_gc
 from .prefault import Prefault
-from .reader import TensorReader, local_box, open_manifest, read_threads
+from .reader import TensorReader, open_manifest, read_threads
 
 
 def load(

@@ -150,7 +150,7 @@ def plan_load(name: str, opt: torch.optim.Optimizer, tree: dict[str, Any], names
 def plan_targets(plan: OptimPlan, record: Callable[[str], dict[str, Any]]) -> list[tuple[str, Any]]:
     """(tensor key, box or None for the whole tensor) of everything :func:`build_state_dict`
     reads: a DTensor parameter's state only in its local box, the rest whole."""
-    from .reader import local_box
+    from ..format.sharding import local_box
 
     out: list[tuple[str, Any]] = []
     for i, sub in plan.entries:

@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 from ..format.fileindex import IndexBuilder
 from ..format.manifest_text import dumps as manifest_dumps
-from ..format.sharding import Mesh, dims_of, writes
+from ..format.sharding import Mesh, dims_of, placement_of, writes
 from ..format.tree import Leaf, local_of
-from .reader import placement_of
 
 MIN_PIECE = 4 << 20
 

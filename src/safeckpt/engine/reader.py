@@ -27,7 +27,7 @@ import xxhash
 from ..errors import CorruptCheckpoint, StorageUnavailable
 from ..format.manifest import dtype_size, safe_file_path, torch_dtype
 from ..format.shardfile import HASH_BUFFER, IOV_MAX, header_problems
-from ..format.sharding import local_box, placement_of  # noqa: F401 - placement_of: re-exported for older importers
+from ..format.sharding import local_box
 from ..format.tree import is_dtensor, local_of
 from ..format.v3 import FORMAT_V3, Layout
 from ..storage.base import Storage, storage_for
