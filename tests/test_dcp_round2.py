@@ -121,11 +121,11 @@ def test_bytes_dot_metadata_failed_save_and_overwrite_at_two_ranks(tmp_path, mon
     assert report.ok and report.step == 6, report
     man = json.load(open(os.path.join(ckpt, "manifest.json")))
     assert man["step"] == 6
-    dot = man["metadata"]["safeckpt.dcp"]["dot_metadata"]
+    dot = man["extra"][".metadata"]  # covered by the manifest's checksums: verify checks it
     raw = open(os.path.join(ckpt, ".metadata"), "rb").read()
     import xxhash
 
-    assert dot == {"file": ".metadata", "size": len(raw), "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}
+    assert dot == {"size": len(raw), "xxh3_128": xxhash.xxh3_128_hexdigest(raw)}
     # .metadata is DCP's own Metadata: what tools that read it (format_utils, torchtitan) expect
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -217,3 +217,20 @@ def test_dot_metadata_is_refused_on_an_object_store_url():
     pytest.importorskip("fsspec")
     with pytest.raises(ValueError, match="dot_metadata"):
         safeckpt.dcp.StorageWriter("memory://bucket/ckpt", dot_metadata=True)
+
+
+def test_dot_metadata_is_checked_by_verify(tmp_path):
+    """DCP's .metadata is listed in the manifest's extra files with its size and checksum, so
+    `safeckpt verify` (and a restore's pick) notice it changed; safeckpt never reads it to load."""
+    path = str(tmp_path / "step-3")
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=safeckpt.dcp.StorageWriter(path), no_dist=True)
+    assert safeckpt.verify(path).ok
+    dot = os.path.join(path, ".metadata")
+    raw = bytearray(open(dot, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(dot, "wb").write(bytes(raw))
+    report = safeckpt.verify(path)
+    assert not report.ok and any(".metadata" in p for p in report.problems), report.problems
+    target = {"w": torch.zeros(6)}  # loading never opens it
+    dcp.load(target, storage_reader=safeckpt.dcp.StorageReader(path), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(6.0))

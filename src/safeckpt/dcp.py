@@ -700,11 +700,11 @@ def _commit_save(store: Storage, staging: _Staging, metadata: Metadata, results:
     if dot_metadata:  # DCP's own Metadata, for tools that look for it; published by the same rename
         raw_dot = _stock_metadata(metadata, where)
         _write_new(os.path.join(staging.staging, DOT_METADATA), raw_dot)
-        info["dot_metadata"] = {"file": DOT_METADATA, "size": len(raw_dot),
-                                "xxh3_128": xxhash.xxh3_128_hexdigest(raw_dot)}
     man = {**manifest_head(step=step, world_size=max(1, len(results)), metadata={**user, MANIFEST_KEY: info},
                            metrics={}, files=files, format_version=MANIFEST_FORMAT_VERSION),
            "objects": objects, "tensors": tensors}
+    if dot_metadata:  # listed with its checksum like any extra file: verify checks it
+        man["extra"] = {DOT_METADATA: {"size": len(raw_dot), "xxh3_128": xxhash.xxh3_128_hexdigest(raw_dot)}}
     raw = encode_manifest(man)
     parse_manifest(raw, staging.staging)  # what is published must read back: validate it first
     target = staging.path

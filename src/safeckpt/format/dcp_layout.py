@@ -51,13 +51,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpoint
+from .manifest import DCP_DOT_METADATA
 from .tree import SEP, escape_key, join_key
 from .validate import MAX_DEPTH
 
 DCP_FORMAT = "safeckpt-dcp"
 DCP_FORMAT_VERSION = 1
 DCP_FILE = "dcp_metadata.json"
-DOT_METADATA = ".metadata"  # DCP's own pickled Metadata (optional, never read by safeckpt)
+DOT_METADATA = DCP_DOT_METADATA  # DCP's own pickled Metadata (never read by safeckpt)
 BYTES_DTYPE = "U8"  # a bytes item's tensor
 MANIFEST_KEY = "safeckpt.dcp"  # the key of the manifest's ``metadata`` that describes DCP_FILE
 FLAT_OBJECT = "dcp"  # the one object holding every item when the state has no usable top-level names

@@ -114,9 +114,14 @@ def is_staging_name(name: str) -> bool:
     return name.startswith(".") and (STAGING_MARK in name or TRASH_MARK in name)
 
 
+# The one hidden name a manifest may list (in ``extra``): DCP's own metadata file, committed by
+# safeckpt.dcp for tools that recognise a DCP checkpoint by it (never read by safeckpt).
+DCP_DOT_METADATA = ".metadata"
+
+
 def safe_file_path(ckpt_dir: str, name: Any) -> str:
     """Resolve a file named by a manifest, refusing anything that could leave ``ckpt_dir``."""
-    if not isinstance(name, str) or not _SAFE_FILE.match(name) or ".." in name:
+    if name != DCP_DOT_METADATA and (not isinstance(name, str) or not _SAFE_FILE.match(name) or ".." in name):
         raise CorruptCheckpoint(
             f"manifest names an unsafe file {name!r:.200} (absolute path, '..' or separator); "
             "refusing to read it", path=ckpt_dir,
@@ -130,7 +135,7 @@ def written_file_path(ckpt_dir: str, name: Any) -> str:
     """Resolve a file the manifest lists in ``written`` or ``extra`` (a relative path such as
     ``global_step8/x.pt``), refusing anything that could leave ``ckpt_dir``
     (see ``validate.is_written_name``)."""
-    if not is_written_name(name):
+    if name != DCP_DOT_METADATA and not is_written_name(name):
         raise CorruptCheckpoint(f"manifest names an unsafe file {name!r:.200}; refusing to read it",
                                 path=ckpt_dir)
     if is_remote(ckpt_dir):
