@@ -41,3 +41,32 @@ def test_anything_else_has_no_step(name):
 def test_largest_step_is_int64():
     assert step_from_name(f"step-{(1 << 63) - 1}") == (1 << 63) - 1
     assert step_from_name(f"step-{1 << 63}") is None
+
+
+def test_catalog_manager_and_ls_see_the_steps_of_framework_names(tmp_path, capsys):
+    """Checkpoints committed under names other frameworks give them are steps for the catalog,
+    a manager on that root and `safeckpt ls`; a directory of such a name without a manifest
+    stays foreign (never touched)."""
+    import torch
+
+    import safeckpt
+    from safeckpt import cli
+    from safeckpt.storage.catalog import scan
+
+    for name, step in (("step-6", 6), ("global_step7", 7), ("epoch=0-step=8.ckpt", 8)):
+        safeckpt.save(str(tmp_path / name), {"w": torch.full((2,), float(step))})
+    (tmp_path / "step-9").mkdir()  # a stock directory: no manifest
+    (tmp_path / "step-9" / "model.pt").write_bytes(b"\x80")
+    entries = {e.name: (e.step, e.status) for e in scan(str(tmp_path))}
+    assert entries["step-6"] == (6, "committed") and entries["global_step7"] == (7, "committed")
+    assert entries["epoch=0-step=8.ckpt"] == (8, "committed")
+    assert "step-9" not in entries or entries["step-9"][1] != "committed"
+    mgr = safeckpt.CheckpointManager(str(tmp_path), keep_last=None)
+    assert [c.step for c in mgr.list()] == [6, 7, 8]
+    state = {"w": torch.zeros(2)}
+    assert mgr.restore(state) == 8 and torch.equal(state["w"], torch.full((2,), 8.0))
+    mgr.close()
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("step-6", "global_step7", "epoch=0-step=8.ckpt"))
+    assert (tmp_path / "step-9" / "model.pt").exists()

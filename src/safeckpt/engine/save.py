@@ -44,6 +44,7 @@ from ..format.manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from ..format.manifest_text import encode as encode_manifest_text
 from ..format.sharding import Mesh, box_at, dims_of, mesh_record
 from ..format.sharding import local_box as _local_box
+from ..format.step_names import step_from_name
 from ..format.tree import EncodedObject, Leaf, encode_state, local_of, param_names
 from ..storage import commit as _commit
 from ..storage.base import Storage, resolve, storage_for
@@ -81,7 +82,10 @@ def save(
     one rank): ``"auto"`` (``"error"`` whenever there is more than one rank, off for one),
     ``"error"`` (RankMismatch naming the tensors, nothing written), ``"warn"`` or ``"off"``.
     ``storage_options``: the fsspec filesystem's options for a URL ``path`` (endpoint,
-    credentials; see docs/how-to/object-stores.md); ignored for local paths.
+    credentials; see docs/how-to/object-stores.md); ignored for local paths. ``step``: recorded in
+    the manifest; by default the one in the directory's name where it is a name frameworks use
+    (``step-100``, ``checkpoint-100``, ``global_step100``, ``epoch=2-step=100``: see
+    :mod:`safeckpt.format.step_names`).
 
     ``extra_files`` (name -> bytes; plain file names, not ``manifest.json`` nor ``rank-*``):
     small files committed inside the checkpoint (a framework's own JSON), listed in the
@@ -92,7 +96,10 @@ def save(
     (``requires_grad=False``) of a module as a fingerprint instead of its bytes; a load verifies
     the live model's frozen parameters against them (see :mod:`safeckpt.engine.frozen`).
     """
-    request = SaveRequest(target=resolve(path), state=state, metadata=metadata, overwrite=overwrite, step=step,
+    target = resolve(path)
+    if step is None:  # the step in a name frameworks use (step-100, checkpoint-100, ...), if any
+        step = step_from_name(target.rstrip("/").rsplit("/", 1)[-1])
+    request = SaveRequest(target=target, state=state, metadata=metadata, overwrite=overwrite, step=step,
                           metrics=metrics, check_replicas=check_replicas, extra_files=extra_files or {},
                           write_files=write_files, frozen=frozen)
     what = f"save to {request.target}"

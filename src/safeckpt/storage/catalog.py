@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, CheckpointNotFound, SafeckptWarning
 from ..format.manifest import MANIFEST, STAGING_MARK, TRASH_MARK, CheckpointInfo
+from ..format.step_names import step_from_name
 from .base import Storage, StorageError, Upload, storage_for
 from .commit import EXTRAS_FILE, TOKEN_FILE, leftover_extras, manifest_names
 from .posix import replaced_final
@@ -118,12 +119,15 @@ def parse_step(name: str, dirnames: tuple[DirName, ...] = ()) -> int | None:
 
 
 def _match(name: str, dirnames: tuple[DirName, ...] = ()) -> tuple[int | None, bool]:
-    """(step, whether the name is safeckpt's default pattern) or (None, False)."""
+    """(step, whether the name is safeckpt's default pattern) or (None, False). Besides the
+    patterns, the names other frameworks give checkpoints (torchtitan's ``step-6``, DeepSpeed's
+    ``global_step6``, Lightning's ``epoch=0-step=6.ckpt``: ``format.step_names``) count, like
+    them only where the directory holds a manifest."""
     for d in (*KNOWN_DIRNAMES, *dirnames):
         step = d.parse(name)
         if step is not None:
             return step, d == DEFAULT_DIRNAME
-    return None, False
+    return step_from_name(name), False
 
 
 @dataclass(frozen=True)
