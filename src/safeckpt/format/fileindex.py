@@ -91,6 +91,8 @@ def parse_index(raw: bytes, where: str, ckpt: str, expect_digest: str) -> dict[s
         raise bad("checksum mismatch in the file's index (corrupt data)")
     try:
         idx = json.loads(raw)
+        if isinstance(idx, str):  # a named file's index: a JSON string in its header's metadata
+            idx = json.loads(idx)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"unreadable index ({type(exc).__name__})") from None
     if not isinstance(idx, dict) or not isinstance(idx.get("trees"), dict) or not isinstance(idx.get("chunks"), list):

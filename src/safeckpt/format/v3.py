@@ -105,6 +105,8 @@ class Layout:
         out: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         for key, offsets, sizes in [*self._pieces.get(rank, ()), *self._boxes.get(rank, ())]:
             out[(key, tuple(offsets))] = sizes
+        if rank >= int(self.man["world_size"]):  # a named file: replicated pieces only
+            return out
         for key, rec in self.man["tensors"].items():
             if rec.get("scope") == "per_rank" and "alias_of" not in rec:
                 out[(key, (0,) * len(rec["shape"]))] = list(rec["shape"])

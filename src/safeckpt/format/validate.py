@@ -43,6 +43,20 @@ def is_written_name(name: object) -> bool:
     return parts[0] != "manifest.json" and not parts[0].startswith("rank-")
 
 
+def is_named_file(name: object) -> bool:
+    """A data file laid out under a name of the caller's (Hugging Face's ``model.safetensors``,
+    ``model-00001-of-00002.safetensors``): a plain ``*.safetensors`` name, not ``rank-*``. Its
+    manifest record's ``rank`` is a slot past the ranks' own files (``world_size``, ...), so
+    ``pieces`` name it like a rank; its index is in its safetensors header (``__metadata__``)."""
+    return (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name
+            and bool(_NAME_PART.match(name)) and ".." not in name and not name.startswith("rank-"))
+
+
+def _slots(world: int, files: dict[str, Any]) -> int:
+    """Files a format-3 save has: one per rank, then one per named file."""
+    return world + sum(1 for name in files if is_named_file(name))
+
+
 class _Bad(Exception):
     """A validation failure, before the checkpoint path is attached."""
 
@@ -103,7 +117,7 @@ def _check(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     for name, rec in files.items():
         rec, _ = _file_record(name, rec, file_ok)
         if "rank" in rec:
-            _int(rec["rank"], f"rank of file {name!r}", 0, world - 1)
+            _int(rec["rank"], f"rank of file {name!r}", 0, _slots(world, files) - 1)
     for key, rec in tensors.items():
         if not isinstance(rec, dict):
             _dict(rec, f"tensor {key!r:.200}")  # raises; the message is built only then
@@ -190,10 +204,13 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
     objects = _dict(man.get("objects"), "'objects'")
     meshes = _list(man.get("meshes", []), "'meshes'")
     has_file: set[int] = set()
+    slots = _slots(world, files)
     for name, rec in files.items():
         rec, size = _file_record(name, rec, file_ok)
         what = f"file {name!r}"
-        rank = _int(rec.get("rank"), f"rank of {what}", 0, world - 1)
+        rank = _int(rec.get("rank"), f"rank of {what}", 0, slots - 1)
+        if (rank >= world) != is_named_file(name):
+            raise _Bad(f"{what} has slot {rank}: rank files take slots 0..{world - 1}, named files the ones after")
         if rank in has_file:
             raise _Bad(f"two files of rank {rank}")
         has_file.add(rank)
@@ -204,8 +221,8 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         start = _int(index[0], f"index start of {what}", start, size)
         _int(index[1], f"index end of {what}", start, size)
         _hex(index[2], f"index checksum of {what}", 16)
-    if len(has_file) != world:
-        missing = sorted(set(range(world)) - has_file)
+    if len(has_file) != slots:
+        missing = sorted(set(range(slots)) - has_file)
         raise _Bad(f"no file of rank(s) {missing[:8]} of a {world}-rank save")
     extra = _dict(man.get("extra", {}), "'extra'")
     for name, rec in extra.items():
@@ -263,7 +280,7 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         elif scope == "replicated":
             if ways != ["pieces"]:
                 raise _Bad(f"{what} is replicated but has no pieces")
-            _check_pieces(what, shape, rec["pieces"], world)
+            _check_pieces(what, shape, rec["pieces"], slots)
         elif ways == ["sharding"]:
             sh = _dict(rec["sharding"], f"sharding of {what}")
             m = _int(sh.get("mesh"), f"mesh of {what}", 0, len(meshes) - 1)
