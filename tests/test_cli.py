@@ -548,3 +548,17 @@ def test_convert_from_dcp(capsys, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
     code, _, err = run(capsys, "convert", tmp_path / "nothing", tmp_path / "x", "--from", "dcp")
     assert code == 2 and ".metadata" in err
+
+
+def test_gc_puts_back_a_checkpoint_an_overwrite_set_aside(tmp_path):
+    """An overwrite on a filesystem without renameat2 flags killed between its two renames
+    leaves the committed checkpoint only under ``.<name>.safeckpt-replaced-<hex>``: `safeckpt gc`
+    renames it back (it was counted as committed and never deleted, but stayed aside)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    safeckpt.save(str(root / "step-0000000005"), {"w": torch.arange(4.0)}, step=5)
+    aside = root / ".step-0000000005.safeckpt-replaced-0123456789ab"
+    os.rename(root / "step-0000000005", aside)
+    assert cli.main(["gc", str(root)]) == 0
+    assert (root / "step-0000000005").is_dir() and not aside.exists()
+    assert torch.equal(safeckpt.read_state_dict(str(root / "step-0000000005"))["w"], torch.arange(4.0))

@@ -25,7 +25,7 @@ from ..format.tree import tensor_keys
 from ..format.v3 import FORMAT_V3, Layout
 from ..retention import RetentionPolicy
 from ..storage.base import is_remote, join, storage_for
-from ..storage.catalog import Entry, entry_nbytes, remove_entry, scan, unmanaged
+from ..storage.catalog import Entry, entry_nbytes, recover, remove_entry, scan, unmanaged
 from .common import (
     GC_LEASE,
     UI,
@@ -322,6 +322,9 @@ def cmd_gc(args: argparse.Namespace, ui: UI) -> int:
         lock.acquire()
     removed: list[dict[str, Any]] = []
     try:
+        if not args.dry_run:  # an overwrite killed between its two renames: the old copy goes back first
+            for path in recover(root):
+                ui.warn(f"put back {path} (set aside by an overwrite that was killed between its renames)")
         leftovers, doomed, alone = _gc_plan(root, policy)
         for e, why in [(e, f"{e.status} leftover") for e in leftovers] + [(e, "retention") for e in doomed]:
             size = _entry_size(e)
