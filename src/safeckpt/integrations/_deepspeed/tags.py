@@ -40,7 +40,7 @@ from ...errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 # safeckpt internals the DeepSpeed integration builds on, imported in this one place only (so
 # a refactor of them breaks one import block): the coordinator and one-process saves, the
 # POSIX commit primitives, leftover sweeping, name checks and file hashing.
-from ...storage.catalog import leftovers, remove_entry  # isort: skip
+from ...storage.catalog import sweep as sweep_root  # isort: skip
 from ...format.manifest import safe_file_path, staging_name  # isort: skip
 from ...format.shardfile import hash_file  # isort: skip
 from ...coord.dist import Coordinator as Coordinator  # isort: skip  (re-exported)
@@ -121,8 +121,7 @@ def publish_tag(staging: str, final: str) -> None:
 
 def sweep(save_dir: str) -> None:
     """Remove staging/trash leftovers of crashed saves (coordinator, before a new save)."""
-    for entry in leftovers(save_dir):
-        remove_entry(entry)
+    sweep_root(save_dir)  # also puts back a checkpoint an overwrite killed between its renames set aside
 
 
 def next_seq(save_dir: str) -> int:

@@ -23,7 +23,7 @@ import safeckpt
 from safeckpt.coord.dist import Coordinator
 from safeckpt.engine.reader import open_manifest
 from safeckpt.errors import CheckpointNotFound, CorruptCheckpoint, RankMismatch, SafeckptWarning
-from safeckpt.storage.catalog import leftovers, remove_entry
+from safeckpt.storage.catalog import sweep
 
 from .format import norm, refuse_file
 from .preempt import SafeckptPreemption
@@ -124,8 +124,7 @@ def _sweep(sources: Mapping[str, Any]) -> None:
     """Delete what killed saves left in the checkpoint directories (hidden staging and trash
     directories); at resume nothing of this job is being saved."""
     for d in sources["dirs"]:
-        for entry in leftovers(d):
-            remove_entry(entry)
+        sweep(d)  # also puts back a checkpoint an overwrite killed between its renames set aside
 
 
 def _listed(sources: Mapping[str, Any]) -> set[str]:
