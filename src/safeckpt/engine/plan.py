@@ -34,8 +34,10 @@ class Piece(NamedTuple):  # a tuple: cheap to create by the thousand
     rank: int = -1
 
 
-def plan_replicated(specs: Sequence[tuple[str, Sequence[int], int]], world_size: int) -> list[Piece]:
-    """Assign replicated tensors ``(key, shape, element_size)`` to writer ranks."""
+def plan_replicated(specs: Sequence[tuple[str, Sequence[int], int]], world_size: int,
+                    loads_before: Sequence[int] | None = None) -> list[Piece]:
+    """Assign replicated tensors ``(key, shape, element_size)`` to writer ranks.
+    ``loads_before``: bytes each rank writes already (its named files), balanced against."""
     sizes = [(key, list(shape), math.prod(shape) * es) for key, shape, es in specs]
     total = sum(n for _, _, n in sizes)
     target = max(math.ceil(total / max(world_size, 1)), MIN_PIECE)
@@ -52,7 +54,9 @@ def plan_replicated(specs: Sequence[tuple[str, Sequence[int], int]], world_size:
             pieces.append(Piece(key, 0, rows, nbytes))
     pieces.sort(key=lambda p: (-p.nbytes, p.key, p.row_start))
     writers = max(1, min(world_size, math.ceil(total / target)))
-    loads = [(0, r) for r in range(writers)]
+    if loads_before is not None:  # every rank may take some: the named files weigh already
+        writers = world_size
+    loads = [(loads_before[r] if loads_before is not None else 0, r) for r in range(writers)]
     heapq.heapify(loads)
     out = []
     for p in pieces:
@@ -72,6 +76,17 @@ class MeshInfo(NamedTuple):
     mesh: Mesh
 
 
+class NamedPlan(NamedTuple):
+    """One named file of a save (see ``engine.request.NamedLayout``): its slot in the
+    manifest's ``files`` (past the ranks' own), the rank that writes it, and its chunks."""
+
+    name: str
+    slot: int
+    writer: int
+    specs: list[tuple[str, str, Any]]  # (name in the file, tensor key, None): whole tensors
+    index: IndexBuilder
+
+
 class SavePlan(NamedTuple):
     """One rank's save plan for one layout (cached: the same every save of a training loop)."""
 
@@ -79,6 +94,28 @@ class SavePlan(NamedTuple):
     index: IndexBuilder  # this rank's file index, chunk text cached per file layout
     tensors_json: str  # the manifest's "tensors" object (the same on every rank)
     meshes: list[Any]  # the manifest's "meshes"
+    named: tuple[NamedPlan, ...] = ()  # every named file of the save (each rank writes its own)
+
+
+def plan_named(named: Mapping[str, Mapping[str, str]], leaves: Mapping[str, Leaf], from_rank0: set[str],
+               world: int) -> tuple[list[NamedPlan], list[int]]:
+    """Named files (file name -> {name in file: key}) in name order, slots ``world``, ...,
+    spread over the ranks largest first (a file holding buffers DDP takes from rank 0 is rank
+    0's); and the bytes each rank then writes."""
+    loads = [0] * max(world, 1)
+    names = sorted(named)
+    sizes = {f: sum(math.prod(leaves[k].shape) * leaves[k].itemsize for k in named[f].values()) for f in names}
+    writer: dict[str, int] = {}
+    for f in sorted(names, key=lambda f: (-sizes[f], f)):
+        r = 0 if any(k in from_rank0 for k in named[f].values()) else min(range(len(loads)), key=lambda i: (loads[i], i))
+        writer[f] = r
+        loads[r] += sizes[f]
+    out = []
+    for i, f in enumerate(names):
+        specs = [(n, k, None) for n, k in sorted(named[f].items())]
+        records = {n: (k, [0] * len(leaves[k].shape), list(leaves[k].shape)) for n, k, _ in specs}
+        out.append(NamedPlan(f, world + i, writer[f], specs, IndexBuilder(records)))
+    return out, loads
 
 
 _PLANS: list[tuple[tuple, Any]] = []  # (plan key, SavePlan), newest last
@@ -135,9 +172,12 @@ def find_aliases(leaves: Mapping[str, Leaf]) -> dict[str, str]:
 
 
 def build_plan(leaves: Mapping[str, Leaf], aliases: Mapping[str, str], irregular: Mapping[str, list[list[Any]]],
-               meshes_of: Mapping[int, MeshInfo], from_rank0: set[str], rank: int, world: int) -> SavePlan:
+               meshes_of: Mapping[int, MeshInfo], from_rank0: set[str], rank: int, world: int,
+               named: Mapping[str, Mapping[str, str]] | None = None) -> SavePlan:
     """This rank's save plan: what its file holds (specs and index) and the manifest's tensor
-    records, the same on every rank. ``meshes_of``: id(device mesh) -> its record, this save."""
+    records, the same on every rank. ``meshes_of``: id(device mesh) -> its record, this save.
+    ``named``: file name -> {name in file: key} of the tensors laid out as named files (whole,
+    replicated, not aliases: the caller checked)."""
     specs: list[tuple[str, str, Any]] = []  # (name in file, key, how to take it from the leaf)
     records: dict[str, tuple[str, list[int], list[int]]] = {}  # name -> (key, offsets, sizes)
     table: dict[str, dict[str, Any]] = {}
@@ -169,15 +209,21 @@ def build_plan(leaves: Mapping[str, Leaf], aliases: Mapping[str, str], irregular
             rec["pieces"] = []
         table[k] = rec
 
+    named_plans, loads_before = plan_named(named, leaves, from_rank0, world) if named else ([], None)
+    in_named = set()
+    for nf in named_plans:
+        for _, k, _ in nf.specs:
+            table[k]["pieces"] = [[nf.slot, 0, leaves[k].shape[0] if leaves[k].shape else 1]]
+            in_named.add(k)
     # Replicated: rank 0 writes the buffers DDP takes from it; the rest is spread by the plan.
-    for k in sorted(from_rank0):
+    for k in sorted(from_rank0 - in_named):
         leaf = leaves[k]
         table[k]["pieces"] = [[0, 0, leaf.shape[0] if leaf.shape else 1]]
         if rank == 0:
             add(k, k, None, [0] * len(leaf.shape), leaf.shape)
     specs_r = [(k, leaf.shape, leaf.itemsize) for k, leaf in sorted(leaves.items())
-               if leaf.scope == "replicated" and k not in aliases and k not in from_rank0]
-    for piece in plan_replicated(specs_r, world):
+               if leaf.scope == "replicated" and k not in aliases and k not in from_rank0 and k not in in_named]
+    for piece in plan_replicated(specs_r, world, loads_before):
         shape = leaves[piece.key].shape
         table[piece.key]["pieces"].append([piece.rank, piece.row_start, piece.rows])
         if piece.rank != rank:
@@ -205,4 +251,4 @@ def build_plan(leaves: Mapping[str, Leaf], aliases: Mapping[str, str], irregular
             box = writes(k, leaf.shape, plan_meshes[sh["mesh"]], sh["dims"], rank)
             if box is not None:
                 add(f"{k}@" + ",".join(map(str, box[0])), k, "local", box[0], box[1])
-    return SavePlan(specs, IndexBuilder(records), manifest_dumps(table), meshes)
+    return SavePlan(specs, IndexBuilder(records), manifest_dumps(table), meshes, tuple(named_plans))

@@ -45,7 +45,7 @@ from ..format.manifest_text import encode as encode_manifest_text
 from ..format.sharding import Mesh, box_at, dims_of, mesh_record
 from ..format.sharding import local_box as _local_box
 from ..format.step_names import step_from_name
-from ..format.tree import EncodedObject, Leaf, encode_state, local_of, param_names
+from ..format.tree import EncodedObject, Leaf, encode_state, escape_key, local_of, param_names
 from ..storage import commit as _commit
 from ..storage.base import Storage, resolve, storage_for
 from ..storage.catalog import remember_published
@@ -53,9 +53,9 @@ from . import extra as _extra
 from . import frozen as _frozen
 from .extra import WriteFiles
 from .gc_pause import paused_gc
-from .plan import MeshInfo, SavePlan, build_plan, cached_plan, find_aliases
+from .plan import MeshInfo, NamedPlan, SavePlan, build_plan, cached_plan, find_aliases
 from .replicas import ddp_broadcast_buffers, replica_digest
-from .request import NO_HOOKS, CommitHooks, SaveRequest
+from .request import INDEX_META, NO_HOOKS, CommitHooks, NamedLayout, SaveRequest
 from .staging import PendingCopies, SnapshotPool, copy_aside
 
 
@@ -74,6 +74,7 @@ def save(
     write_files: WriteFiles | None = None,
     frozen: str = "full",
     collective: bool = True,
+    named: NamedLayout | None = None,
 ) -> CheckpointInfo:
     """Save ``state`` to the directory ``path`` (collective: every rank calls it identically).
 
@@ -95,13 +96,16 @@ def save(
     :mod:`safeckpt.engine.extra`). ``frozen="fingerprint"`` saves each frozen parameter
     (``requires_grad=False``) of a module as a fingerprint instead of its bytes; a load verifies
     the live model's frozen parameters against them (see :mod:`safeckpt.engine.frozen`).
+    ``named`` (a :class:`~safeckpt.engine.request.NamedLayout`; filesystem targets): some
+    tensors laid out as safetensors files under the caller's names inside the checkpoint
+    (``model.safetensors`` as Hugging Face's ``save_pretrained`` writes it), written once.
     """
     target = resolve(path)
     if step is None:  # the step in a name frameworks use (step-100, checkpoint-100, ...), if any
         step = step_from_name(target.rstrip("/").rsplit("/", 1)[-1])
     request = SaveRequest(target=target, state=state, metadata=metadata, overwrite=overwrite, step=step,
                           metrics=metrics, check_replicas=check_replicas, extra_files=extra_files or {},
-                          write_files=write_files, frozen=frozen)
+                          write_files=write_files, frozen=frozen, named=named)
     what = f"save to {request.target}"
     coord = Coordinator(timeout, what=what) if collective else _ThisProcess(timeout, what)
     store = storage_for(request.target, storage_options, timeout=coord.timeout)
@@ -121,6 +125,10 @@ def new_job(coord: Coordinator, request: SaveRequest, *, store: Storage | None =
             hooks: CommitHooks = NO_HOOKS) -> SaveJob:
     """The save job of ``request`` on ``store`` (default: the storage of its target without
     options), agreeing through ``coord``."""
+    if request.named is not None and store is not None and not store.renames:
+        raise CheckpointError(
+            "named files (model.safetensors) need a filesystem target: they keep their names "
+            "inside the checkpoint, published by its rename (not on an object store)")
     if request.write_files is not None and store is not None and not store.renames:
         raise CheckpointError(
             "write_files needs a synchronous save to a filesystem: the files are written inside "
@@ -139,8 +147,10 @@ class SaveJob:
         self.store = store
         self.hooks = hooks
         self.target = request.target
-        # Frozen parameters as fingerprints: the state the core saves has them replaced.
-        self.state = _frozen.for_save(request.state, request.frozen)
+        self.named = request.named
+        # Frozen parameters as fingerprints: the state the core saves has them replaced (not
+        # where a named file must hold them: that save keeps frozen parameters in full).
+        self.state = _frozen.for_save(request.state, _frozen_mode(request))
         self.metadata = dict(request.metadata or {})
         self.metrics = dict(request.metrics or {})
         self.overwrite = request.overwrite
@@ -159,6 +169,7 @@ class SaveJob:
         self.rank0_trees = ""  # hash of rank 0's object trees (see _agree)
         self.rank0_tree_hashes: dict[str, str] = {}  # rank 0's hash of each tree, when some rank's differ
         self.plan: SavePlan | None = None
+        self.named_items: list[tuple[NamedPlan, list[tuple[str, torch.Tensor]]]] = []  # this rank's
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -183,11 +194,14 @@ class SaveJob:
         """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
         caller may change the live state while the rest of the save runs in the background."""
         self._plan()
-        srcs = [t for _, t in self.items]  # plain tensors: shards are local already
+        items = self.items + [(f"@named/{nf.name}/{n}", t) for nf, its in self.named_items for n, t in its]
+        srcs = [t for _, t in items]  # plain tensors: shards are local already
         with paused_gc():
-            staged, bufs = pool.staged(self.plan_key, self.items)
+            staged, bufs = pool.staged(self.plan_key, items)
             self.copies = copy_aside(bufs, srcs)  # GPU copies may still run: finish() waits
-        self.items = staged
+        self.items = staged[:len(self.items)]
+        rest = iter(staged[len(self.items):])
+        self.named_items = [(nf, [(n, next(rest)[1]) for n, _ in its]) for nf, its in self.named_items]
         self.leaves = {}  # drop references to live tensors; the manifest needs only the layout
         self.state = {}
 
@@ -237,6 +251,8 @@ class SaveJob:
         if len(self.leaves) != len(leaves):
             raise CheckpointError(f"two tensors map to the same key {_first_duplicate(leaves)!r}; rename one")
         self.aliases = find_aliases(self.leaves)
+        if self.named is not None:
+            self.aliases = _check_named(self.named, self.leaves, self.aliases)
         self.from_rank0 = {k for name, v in self.state.items() if isinstance(v, nn.Module)
                            for k in ddp_broadcast_buffers(name, v)
                            if k in self.leaves and self.leaves[k].scope == "replicated" and k not in self.aliases}
@@ -270,7 +286,10 @@ class SaveJob:
             [k, leaf.dtype, leaf.shape, leaf.scope, self.aliases.get(k), self._sharding_of(leaf)]
             for k, leaf in sorted(self.leaves.items())
         ]
-        return [objs, tensors, sorted(self.from_rank0)]
+        layout = [objs, tensors, sorted(self.from_rank0)]
+        if self.named is not None:
+            layout.append(sorted([f, sorted(names.items())] for f, names in self.named.files.items()))
+        return layout
 
     def _sharding_of(self, leaf: Leaf) -> list[Any] | None:
         """[mesh record as JSON, placements] of a sharded leaf (None: not sharded)."""
@@ -424,7 +443,7 @@ class SaveJob:
         key = (layout, json.dumps(self.irregular, sort_keys=True), self.coord.rank, self.coord.world_size)
         self.plan_key, cached = cached_plan(key, lambda: build_plan(
             self.leaves, self.aliases, self.irregular, self.meshes, self.from_rank0, self.coord.rank,
-            self.coord.world_size))
+            self.coord.world_size, self.named.files if self.named is not None else None))
         self.plan = cached
         items = []
         leaves = self.leaves
@@ -434,6 +453,8 @@ class SaveJob:
                 t = local_of(t) if how == "local" else t.narrow(0, *how)
             items.append((name, t))
         self.items = items
+        self.named_items = [(nf, [(n, leaves[k].tensor) for n, k, _ in nf.specs])
+                            for nf in cached.named if nf.writer == self.coord.rank]
 
     # -------------------------------------------------------------------- write
     def _write(self, staging: dict[str, str] | None) -> dict[str, Any]:
@@ -449,6 +470,7 @@ class SaveJob:
         trees = {} if self.trees_hash == self.rank0_trees else {
             name: tree for name, tree in self.my_trees.items()
             if self.tree_hashes.get(name) != self.rank0_tree_hashes.get(name)}
+        named = [self._write_named(staging, nf, items) for nf, items in self.named_items]
         builder = self.plan.index
         fname, written = _retry_missing_dir(
             lambda: _commit.write(self.store, staging, self.coord.rank, self.items, {"format": FORMAT},
@@ -459,11 +481,33 @@ class SaveJob:
                   "data": written.data_start, "index": list(written.index), "trees": bool(trees)}
         if hooked is not None:
             report["written"] = hooked
+        if named:
+            report["named"] = named
         return report
+
+    def _write_named(self, staging: dict[str, str], nf: NamedPlan, items: list[tuple[str, torch.Tensor]]
+                     ) -> dict[str, Any]:
+        """One named file: a plain safetensors file of just its tensors, its chunk index (with
+        each chunk's checksum, hashed first, in memory) in the header's metadata."""
+        assert self.named is not None
+        index, digests = named_index(items, nf.index)
+        meta = {**self.named.metadata, INDEX_META: index}
+        path = self.store.join(staging["path"], nf.name)
+        written = _retry_missing_dir(lambda: self.store.write(path, items, meta, None), staging["path"])
+        if list(written.digests) != digests:
+            raise CheckpointError(f"a tensor of {nf.name} changed while it was being saved; nothing was "
+                                  "published. Do not change the model during a save.")
+        enc = json.dumps(index).encode()  # as it stands in the header (ASCII, escaped)
+        at = bytes(written.header).find(enc)
+        if at < 0:  # pragma: no cover - the header is json.dumps of the metadata
+            raise CheckpointError(f"{nf.name}: its index is not where it was written")
+        return {"file": nf.name, "slot": nf.slot, "size": written.size, "xxh3_128": written.xxh3_128,
+                "data": written.data_start, "index": [at, at + len(enc), xxhash.xxh3_64_hexdigest(enc)]}
 
     def _commit(self, staging: dict[str, str] | None, written: list[dict[str, Any]]) -> dict[str, Any]:
         assert staging is not None and self.plan is not None
         files = _commit.check_written(self.store, staging, written)
+        files.update(self._check_named_written(staging, written))
         head = self._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
         if self.extra_files:
             head["extra"] = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
@@ -490,6 +534,26 @@ class SaveJob:
                 info["after_commit_error"] = f"{type(exc).__name__}: {exc}"
         return info
 
+    def _check_named_written(self, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any]:
+        """Coordinator: every named file reported by its writer and there with its size; their
+        records for the manifest's ``files`` (slot as ``rank``, the writer as ``writer``)."""
+        if self.named is None:
+            return {}
+        out: dict[str, Any] = {}
+        for r, w in enumerate(written):
+            for rec in w.get("named", ()):
+                actual = self.store.size(self.store.join(staging["path"], rec["file"]))
+                if actual != rec["size"]:
+                    raise CheckpointError(
+                        f"rank {r} wrote {rec['file']} ({rec['size']} bytes) but the coordinator sees "
+                        f"{actual} bytes in {staging['path']}. {_commit.NOT_SHARED}")
+                out[rec["file"]] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"], "rank": rec["slot"],
+                                    "writer": r, "data": rec["data"], "index": rec["index"]}
+        missing = sorted(set(self.named.files) - set(out))
+        if missing:
+            raise CheckpointError(f"no rank reported the named file(s) {missing}")
+        return out
+
     def _committed_info(self, manifest: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
         """What every rank learns about the checkpoint just published."""
         return {
@@ -504,6 +568,65 @@ class SaveJob:
         assert self.plan is not None
         return manifest_head(step=self.step, world_size=self.coord.world_size, metadata=self.metadata,
                              metrics=self.metrics, files=files, rank_trees=rank_trees, meshes=self.plan.meshes)
+
+
+def _frozen_mode(request: SaveRequest) -> str:
+    """The request's frozen mode, but "full" where a named file lays out a frozen parameter."""
+    if request.named is None or request.frozen == "full":
+        return request.frozen
+    keys = set(request.named.key_files())
+    for name, value in request.state.items():
+        if isinstance(value, nn.Module):
+            if any(f"{escape_key(name)}/{escape_key(p)}" in keys for p in _frozen.frozen_tensors(value)):
+                return "full"
+    return request.frozen
+
+
+def _check_named(named: NamedLayout, leaves: Mapping[str, Leaf], aliases: dict[str, str]) -> dict[str, str]:
+    """Raise unless every tensor ``named`` lays out is a whole replicated tensor of the save;
+    the aliases re-rooted so that of tied tensors the one a named file holds is stored (as
+    ``save_pretrained`` keeps ``embed_tokens.weight``, not the tied ``lm_head.weight``)."""
+    keys = named.key_files()
+    for k, (fname, name) in keys.items():
+        leaf = leaves.get(k)
+        if leaf is None:
+            raise CheckpointError(f"named file {fname}: tensor {name!r} is {k!r}, which this save does not hold. "
+                                  "Nothing was written.")
+        if leaf.scope != "replicated":
+            raise CheckpointError(
+                f"named file {fname}: {k!r} is {leaf.scope}; named files hold whole replicated tensors "
+                "(a DDP or one-process model). Gather FSDP2 shards into full tensors first, or save without "
+                "named files. Nothing was written.")
+    if not aliases:
+        return aliases
+    groups: dict[str, list[str]] = {}
+    for k, root in aliases.items():
+        groups.setdefault(root, [root]).append(k)
+    out = dict(aliases)
+    for root, members in groups.items():
+        held = [m for m in members if m in keys]
+        if len(held) > 1:
+            raise CheckpointError(f"tied tensors {held} are laid out twice in named files; a file holds one "
+                                  "of them (as save_pretrained does). Nothing was written.")
+        if held and held[0] != root:
+            new = held[0]
+            for m in members:
+                out.pop(m, None)
+                if m != new:
+                    out[m] = new
+    return out
+
+
+def named_index(items: list[tuple[str, torch.Tensor]], builder: Any) -> tuple[str, list[str]]:
+    """A named file's index text (chunk byte ranges relative to the data, as the file will be
+    laid out) and its chunks' xxh3-64 in file order, hashed from memory before the write."""
+    from ..format.shardfile import _header, tensor_bytes
+
+    layout = _header(items, {})
+    base = len(layout.header)
+    spans = [(a - base, b - base) for a, b in layout.spans]
+    digests = [xxhash.xxh3_64_hexdigest(tensor_bytes(items[i][1])) for i in layout.order]
+    return builder(layout.names, spans, {}).render(digests).decode(), digests
 
 
 def _single_ref(tree: Any) -> bool:

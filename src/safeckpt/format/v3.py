@@ -164,6 +164,8 @@ class Layout:
     def _check_index(self, name: str, rec: dict[str, Any], idx: dict[str, Any]) -> None:
         rank = int(rec["rank"])
         data, index_start = int(rec["data"]), int(rec["index"][0])
+        if rank >= int(self.man["world_size"]):  # a named file: its index is in the header
+            index_start = int(rec["size"])
         tensors = self.man["tensors"]
         want = self.expected(rank)
         chunks = []

@@ -218,6 +218,8 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         if len(index) != 3:
             raise _Bad(f"index of {what} is not [start, end, checksum]")
         start = _int(rec.get("data"), f"data start of {what}", 8, size)
+        if rank >= world:  # a named file: the index is in its header, before the data
+            start, size = 8, start
         start = _int(index[0], f"index start of {what}", start, size)
         _int(index[1], f"index end of {what}", start, size)
         _hex(index[2], f"index checksum of {what}", 16)
