@@ -27,7 +27,7 @@ from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.gc_pause import paused_gc
 from .engine.load import load
-from .engine.request import CommitHooks, SaveRequest
+from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
 from .errors import (
@@ -242,6 +242,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         extra_files: Mapping[str, bytes] | None = None,
         write_files: WriteFiles | None = None,
+        named: NamedLayout | None = None,
     ) -> CheckpointInfo | None:
         """Save ``state`` as ``step`` (collective). Returns its info, or None with async_save
         (the save then commits in the background; ``wait()`` returns its info).
@@ -255,7 +256,11 @@ class CheckpointManager:
         filesystem only): files each rank writes itself into the checkpoint during the save,
         such as a DeepSpeed engine's own checkpoint; each rank reports (and hashes) the paths it
         returns, they are listed in the manifest and published with the same atomic rename, so a
-        rank killed while writing them leaves nothing visible (see ``safeckpt.engine.extra``)."""
+        rank killed while writing them leaves nothing visible (see ``safeckpt.engine.extra``).
+
+        ``named`` (a :class:`~safeckpt.engine.request.NamedLayout`; filesystem roots): some
+        tensors laid out as safetensors files under the caller's names inside the checkpoint
+        (Hugging Face's ``model.safetensors``), written once, committed with the rest."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -268,7 +273,7 @@ class CheckpointManager:
         path = join(self.root, self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
                               metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
-                              frozen=self.frozen)
+                              frozen=self.frozen, named=named)
         # Folded into the save's own two exchanges (the coordinator runs them): the lease and the
         # sweep before staging, retention after publishing.
         hooks = CommitHooks(before_stage=lambda: self._begin(True),
