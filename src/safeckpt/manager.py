@@ -11,6 +11,7 @@ leftovers to sweep) is taken on the coordinator and shared, never by each rank o
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import warnings
@@ -27,9 +28,12 @@ from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.gc_pause import paused_gc
 from .engine.load import load
+from .engine.local_tier import NodeDir, NodeTierStorage, tier_url
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
+from .engine.tier import drain, holders_of, restore_local, save_local
+from .engine.tier import inventory as tier_inventory
 from .errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -49,6 +53,7 @@ from .storage.catalog import (
 )
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+QUARANTINE_NAME = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (see quarantine)
 
 
 class CheckpointManager:
@@ -82,6 +87,21 @@ class CheckpointManager:
             ``"checkpoint_{step}"`` (Accelerate's) or another. Restore, retention and the sweep
             take every committed checkpoint under ``root`` with a known name (these three and
             this pattern), so a run that changes the pattern still resumes from the old ones.
+        local_dir: node-local storage (a RAM disk or NVMe; may be a different path on every
+            node) for the fast-recovery tier: every save() writes each rank's file there (and
+            ``replicas`` copies on other nodes) in the background, and commits under ``root``
+            only every ``durable_every``-th step, on preemption and at close; restore() takes
+            the newest step complete across the nodes' copies and root, each file from the
+            nearest verified copy (see docs/concepts/fast-recovery.md). A rank's node is
+            torchrun's ``GROUP_RANK``, else the host name.
+        durable_every: with ``local_dir``: commit under root every this many steps (by step
+            number; None: only on preemption and at close).
+        replicas: with ``local_dir``: copies of each rank's file on other nodes.
+        check_finite: refuse to commit (on any tier) a step whose floating tensors hold NaN or
+            Inf; the error names them.
+        keep_local: with ``local_dir``: the newest steps each node keeps (never the newest).
+        local_max_bytes: with ``local_dir``: a byte budget for a node's copies of this run;
+            past it the oldest local steps go first.
     """
 
     def __init__(
@@ -101,6 +121,12 @@ class CheckpointManager:
         retention: Any = None,
         frozen: str = "fingerprint",
         dirname: str | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        durable_every: int | None = 10,
+        replicas: int = 0,
+        check_finite: bool = False,
+        keep_local: int | None = 2,
+        local_max_bytes: int | None = None,
     ) -> None:
         self.root = resolve(root)
         self.dirname = dirname_of(dirname)
@@ -123,6 +149,20 @@ class CheckpointManager:
         # Dropped without close() (a trainer or accelerator garbage collected): release the
         # lease and the signal handlers all the same, so a new manager on this root can write.
         self._finalizer = weakref.finalize(self, _abandon, self._lock, self._watcher)
+        self.check_finite = bool(check_finite)
+        self._tier: NodeDir | None = None
+        if local_dir is not None:
+            if durable_every is not None and (not isinstance(durable_every, int) or durable_every < 1):
+                raise ValueError(f"durable_every must be a positive int or None, got {durable_every!r}")
+            if not isinstance(replicas, int) or replicas < 0:
+                raise ValueError(f"replicas must be a non-negative int, got {replicas!r}")
+            self._tier = NodeDir(os.fspath(local_dir), self.root)
+            self._saver = self._saver or AsyncSaver()
+        self.durable_every = durable_every
+        self.replicas = int(replicas)
+        self.keep_local = keep_local
+        self.local_max_bytes = local_max_bytes
+        self._last: dict[str, Any] | None = None  # the newest local step: its job, and whether root has it
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
@@ -151,6 +191,12 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
+        if self._tier is not None:
+            return self._restore_tiered(state, step, strict)
+        return self._restore_root(state, step, strict)
+
+    def _restore_root(self, state: MutableMapping[str, Any], step: int | None, strict: bool,
+                      skip: set[int] | frozenset[int] = frozenset()) -> int | None:
         coord = self._coord(what=f"restore from {self.root}")
         picked = self._agreed_pick(coord, step)
         # Damaged history counts: if nothing loads, raise rather than report a fresh run.
@@ -158,6 +204,8 @@ class CheckpointManager:
         if step is not None and not picked["candidates"] and not reasons:
             raise CheckpointNotFound(f"no committed checkpoint for step {step} under {self.root}", path=self.root)
         for cand_step, path in _Candidates(self, coord, picked, reasons):
+            if cand_step in skip:  # quarantined
+                continue
             try:  # frozen parameters saved as fingerprints are verified inside the load
                 load(path, state, strict=strict, timeout=self.timeout, storage_options=self._options)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
@@ -229,9 +277,16 @@ class CheckpointManager:
         given ``rest`` (the ones a previous pick left unjudged), the next one among them."""
         if not is_coordinator:
             return None
-        if rest is not None:
-            return picking.judge(self._store, rest)
-        return picking.first_valid(self._store, self.root, self._dirnames, step)
+        got = picking.judge(self._store, rest) if rest is not None else \
+            picking.first_valid(self._store, self.root, self._dirnames, step)
+        marks = self._root_quarantine()
+        while marks and got["candidates"] and str(got["candidates"][0][0]) in marks:
+            cand = got["candidates"][0][0]
+            more = picking.judge(self._store, got["rest"]) if got["rest"] else \
+                {"candidates": [], "rest": [], "warnings": [], "damaged": []}
+            got = {**more, "warnings": got["warnings"] + [f"skipping step {cand}: quarantined ({marks[str(cand)]})"]
+                   + more["warnings"], "damaged": got["damaged"] + more["damaged"]}
+        return got
 
     def save(
         self,
@@ -270,6 +325,10 @@ class CheckpointManager:
                 "write_files needs a synchronous save to a filesystem: the files are written inside "
                 "the save by every rank and published by its rename (not with async_save, not on "
                 "an object store)")
+        if self._tier is not None:
+            if extra_files or write_files is not None:
+                raise CheckpointError("extra_files and write_files are not supported with local_dir")
+            return self._save_tiered(step, state, metrics, metadata)
         path = join(self.root, self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
                               metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
@@ -295,6 +354,147 @@ class CheckpointManager:
         self._saver.submit(lambda: job.finish(background), f"step {step}")
         return None
 
+
+    # ----------------------------------------------------------- node-local tier
+    def _save_tiered(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
+                     metadata: Mapping[str, Any] | None) -> None:
+        """Agree and copy aside here (the only part that blocks), then in the background: the
+        local tier's phases and, on a durable step, the drain to root (``engine.tier``)."""
+        tier = self._tier
+        assert tier is not None and self._saver is not None
+        durable = (self.durable_every is not None and step % self.durable_every == 0) or self.preempted
+        request = SaveRequest(target=tier_url(tier.tag, step), state=state, metadata=metadata, overwrite=True,
+                              step=step, metrics=metrics, frozen=self.frozen)
+        coord = self._coord(what=f"local save of step {step}")
+        job = new_job(coord, request, store=NodeTierStorage(self.timeout))
+        with paused_gc():
+            job.agree()
+            job.snapshot(self._pool)
+        self._last = {"job": job, "step": step, "durable": False}
+        last = self._last
+        background = self._coord(f"async:{self.root}", what=f"background local save of step {step}")
+        protect = {s for s in (self._restored,) if s is not None}
+
+        def run() -> CheckpointInfo | None:
+            save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
+                       keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect)
+            if not durable:
+                return None
+            info = self._drain(background, job, step)
+            last["durable"] = True
+            return info
+
+        self._saver.submit(run, f"step {step}")
+        return None
+
+    def _drain(self, coord: Coordinator, job: Any, step: int) -> CheckpointInfo:
+        path = join(self.root, self.dirname.format(step))
+        return drain(coord, job, self._store, path, lambda: self._begin(True),
+                     lambda saved: self._retain(True, saved), step)
+
+    def _drain_last(self) -> None:
+        """At close: the newest local step to root, from its staged bytes, if root lacks it."""
+        last = self._last
+        if last is None or last["durable"] or self._tier is None:
+            return
+        coord = self._coord(what=f"drain of step {last['step']} to {self.root}")
+        self._drain(coord, last["job"], last["step"])
+        last["durable"] = True
+
+    def _root_side(self) -> dict[str, Any]:
+        """Coordinator: root's committed steps and quarantine marks (an unreachable root is a
+        warning: the local tier still restores)."""
+        try:
+            steps = sorted({e.step for e in committed(self.root, self._store, self._dirnames) if e.step is not None})
+            return {"steps": steps, "quarantine": self._root_quarantine()}
+        except Exception as exc:  # noqa: BLE001 - root is one tier among several
+            return {"steps": [], "warnings": [f"root {self.root} could not be listed ({type(exc).__name__}: "
+                                              f"{exc}); restoring from the node-local tier only"]}
+
+    def _root_quarantine(self) -> dict[str, str]:
+        raw = self._store.read(join(self.root, QUARANTINE_NAME), 1 << 20)
+        if not raw:
+            return {}
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            return {}
+        return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
+
+    def _root_file(self, step: int) -> Any:
+        """Dest rank: the bytes of the file of root's ``step`` whose checksum is ``xxh``."""
+        path = join(self.root, self.dirname.format(step))
+
+        def read(xxh: str) -> bytes | None:
+            man = self._store.read_manifest(path)
+            for name, rec in (man.get("files") or {}).items():
+                if rec.get("xxh3_128") == xxh:
+                    return self._store.read(self._store.join(path, name), int(rec["size"]) + 1)
+            return None
+
+        return read
+
+    def _restore_tiered(self, state: MutableMapping[str, Any], step: int | None, strict: bool) -> int | None:
+        tier = self._tier
+        assert tier is not None
+        coord = self._coord(what=f"restore from the node-local tier of {self.root}")
+        plan = tier_inventory(coord, tier, self._root_side)
+        for note in plan["warnings"]:
+            warnings.warn(note, SafeckptWarning, stacklevel=3)
+        quarantined = {int(s) for s in plan["quarantine"]}
+        reasons: list[str] = []
+        for cand in plan["cands"]:
+            if step is not None and cand != step:
+                continue
+            mhash, _, _ = holders_of(plan, cand)
+            if mhash is None:  # only root has it: the ordinary restore from there
+                try:
+                    got = self._restore_root(state, cand, strict, skip=quarantined)
+                except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                    reasons.append(f"step {cand} (root): {exc}")
+                    continue
+                return got
+            root_file = self._root_file(cand) if cand in plan["root"] else None
+            if restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
+                             root_file=root_file, reasons=reasons):
+                self._restored = cand
+                return cand
+            warnings.warn(f"step {cand} could not be restored from any tier ({reasons[-1]}); trying an "
+                          "older step", SafeckptWarning, stacklevel=2)
+        if reasons:
+            raise CorruptCheckpoint(
+                f"no step of {self.root} could be restored from any tier (refusing to start fresh when "
+                "history exists):\n  " + "\n  ".join(reasons), path=self.root)
+        if step is not None:
+            raise CheckpointNotFound(f"no copy of step {step} on any tier of {self.root}", path=self.root)
+        return None
+
+    def quarantine(self, step: int, reason: str) -> None:
+        """Mark ``step`` bad on every tier (collective): no restore picks it again. The marks live
+        beside the checkpoints (``root/.safeckpt-quarantine.json`` and each node's local
+        directory); the step's bytes are left for inspection."""
+        self._check_open()
+        self.wait()
+        mark = {str(int(step)): str(reason)}
+        tier = self._tier
+        coord = self._coord(what=f"quarantine of step {step}")
+
+        def local() -> None:
+            if tier is not None:  # every rank: the same marks, written atomically
+                tier.quarantine(mark)
+
+        def root(_: Any) -> None:
+            try:
+                cur = self._root_quarantine()
+                self._store.put(join(self.root, QUARANTINE_NAME),
+                                json.dumps({**cur, **mark}, sort_keys=True).encode())
+            except Exception as exc:  # noqa: BLE001 - the local marks still hide it
+                if tier is None:
+                    raise
+                warnings.warn(f"quarantine of step {step}: root {self.root} not marked ({exc})",
+                              SafeckptWarning, stacklevel=3)
+
+        coord.decide("quarantine", local, root)
 
     def _begin(self, is_coordinator: bool) -> None:
         """Coordinator: take the writer lease, sweep leftovers of crashed saves."""
@@ -388,6 +588,7 @@ class CheckpointManager:
             return
         try:
             self.wait()
+            self._drain_last()
         finally:
             self._closed = True
             self._finalizer.detach()

@@ -934,3 +934,20 @@ def _store_address() -> str:
         return f" at {inner.host}:{inner.port}"
     except Exception:
         return ""
+
+
+def send_recv(coord: Coordinator, sends: list[tuple[int, int, torch.Tensor]],
+              recvs: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Point-to-point transfers on ``coord``'s dedicated gloo group (the node-local tier's
+    replicas and peer reads): ``sends`` are (destination rank, tag, uint8 tensor), ``recvs``
+    (source rank, tag, preallocated uint8 tensor). Every rank calls it with its own lists, the
+    pairs matching; bounded by the group's timeout (a dead peer raises at once, an absent one
+    after the timeout), so the caller runs it inside a ``decide`` phase whose exchange turns a
+    failure into the same error on every rank."""
+    state = coord._state
+    if state is None or state.group is None or not (sends or recvs):
+        return
+    works = [dist.isend(t, dst, group=state.group, tag=tag) for dst, tag, t in sends]
+    works += [dist.irecv(t, src, group=state.group, tag=tag) for src, tag, t in recvs]
+    for w in works:
+        w.wait()

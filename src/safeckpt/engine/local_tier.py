@@ -1,0 +1,327 @@
+"""The node-local tier: every save's files on the nodes' own storage, replicas on other nodes,
+and the restore of a step from the nearest verified copy of each file.
+
+Layout of one node's ``local_dir`` (it may be a different path on every node)::
+
+    local_dir/run-<hash of root>/            one run: the root it belongs to, in tier.json
+        tier.json                            {"format": "safeckpt-local-tier", "root": root}
+        quarantine.json                      {"<step>": "reason"} (mgr.quarantine)
+        step-0000000042/                     a step as this node holds it, published by rename
+            manifest.json                    the step's manifest, the same bytes on every node
+            rank-00003.safetensors           this node's ranks' files and the replicas it holds
+            tier.json                        {"root", "step", "node", "own", "replicas"}
+        .partial-step-0000000043-<token>/    a save in progress (removed by the next save)
+
+A file of a step is the very file ``safeckpt.save`` would write for that rank (the same plan,
+the same bytes, its xxh3-128 in the manifest), so a node's step directory is a partial
+checkpoint and the union over the nodes is a whole one; the drain to ``root`` writes the same
+staged bytes again there with an ordinary commit. A restore assembles, on every node, every
+file of the step (own copy verified, else a peer's over the checkpoint group, else root's,
+each verified against the manifest) and loads it through a ``safeckpt-tier://`` URL that is the
+same string on every rank and names each node's own directory (:class:`NodeTierStorage`).
+
+Nodes: ``GROUP_RANK`` (torchrun's node rank) where set, else the host name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import CheckpointError, SafeckptWarning
+from ..format.manifest import MANIFEST
+from ..storage.base import register_backend
+from ..storage.posix import PosixStorage, digest_file, write_bytes_atomic
+
+SCHEME = "safeckpt-tier"
+TIER_FILE = "tier.json"
+QUARANTINE_FILE = "quarantine.json"
+TIER_FORMAT = "safeckpt-local-tier"
+_BASES: dict[str, str] = {}  # tag -> this process's node directory of that run
+
+
+def node_id() -> str:
+    """This rank's node: torchrun's ``GROUP_RANK`` where set, else the host name."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node-{group}" if group not in (None, "") else socket.gethostname()
+
+
+def tier_tag(root: str) -> str:
+    """The name of a root's run directory inside ``local_dir`` (its identity is in tier.json)."""
+    return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def tier_url(tag: str, step: int) -> str:
+    """The same string on every rank; each process's storage reads its own node's directory."""
+    return f"{SCHEME}://{tag}/{step_name(step)}"
+
+
+def file_xxh3(data: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class NodeTierStorage(PosixStorage):
+    """``safeckpt-tier://<tag>/...``: this node's directory of the run ``tag`` (see module)."""
+
+    @classmethod
+    def from_url(cls, url: str, options: Mapping[str, Any], timeout: float | None) -> NodeTierStorage:
+        return cls(timeout)
+
+    @staticmethod
+    def local(path: str) -> str:
+        if not path.startswith(f"{SCHEME}://"):
+            return path
+        tag, _, rest = path[len(SCHEME) + 3:].partition("/")
+        base = _BASES.get(tag)
+        if base is None:
+            raise CheckpointError(f"{path}: no node-local directory is registered for {tag} in this process")
+        return os.path.join(base, rest) if rest else base
+
+    def join(self, parent: str, name: str) -> str:
+        return f"{parent.rstrip('/')}/{name}"
+
+    def list(self, path: str) -> Any:
+        return super().list(self.local(path))
+
+    def size(self, path: str) -> int | None:
+        return super().size(self.local(path))
+
+    def read(self, path: str, limit: int) -> bytes | None:
+        return super().read(self.local(path), limit)
+
+    def read_manifest(self, ckpt: str) -> dict[str, Any]:
+        return super().read_manifest(self.local(ckpt))
+
+    def open(self, path: str, size: int, ckpt: str, likely: Sequence[tuple[int, int]] = ()) -> Any:
+        return super().open(self.local(path), size, self.local(ckpt), likely)
+
+    def hash(self, path: str, progress: Any = None, spans: Sequence[tuple[int, int]] = ()) -> Any:
+        return super().hash(self.local(path), progress, spans)
+
+
+register_backend(SCHEME, "safeckpt.engine.local_tier:NodeTierStorage")
+
+
+class NodeDir:
+    """This node's directory of one run (``local_dir/run-<hash>``)."""
+
+    def __init__(self, local_dir: str, root: str) -> None:
+        self.local_dir = os.path.abspath(os.fspath(local_dir))
+        self.root = root
+        self.tag = tier_tag(root)
+        self.base = os.path.join(self.local_dir, self.tag)
+        self.node = node_id()
+        _BASES[self.tag] = self.base
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.base, step_name(step))
+
+    def partial(self, step: int, token: str) -> str:
+        return os.path.join(self.base, f".partial-{step_name(step)}-{token}")
+
+    def ensure(self) -> None:
+        os.makedirs(self.base, exist_ok=True)
+        marker = os.path.join(self.base, TIER_FILE)
+        if not os.path.exists(marker):
+            write_bytes_atomic(marker, json.dumps({"format": TIER_FORMAT, "root": self.root}).encode())
+
+    def ours(self) -> bool:
+        """The run directory exists and belongs to this root (a hash collision or a copied
+        directory of another run is never used)."""
+        try:
+            with open(os.path.join(self.base, TIER_FILE), "rb") as f:
+                rec = json.loads(f.read(1 << 16))
+        except (OSError, ValueError):
+            return False
+        return isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
+
+    # ------------------------------------------------------------------ inventory
+    def steps(self) -> list[int]:
+        if not self.ours():
+            return []
+        out = []
+        for name in os.listdir(self.base):
+            if name.startswith("step-") and name[5:].isdigit():
+                out.append(int(name[5:]))
+        return sorted(out)
+
+    def step_record(self, step: int) -> dict[str, Any] | None:
+        """What this node holds of ``step``: the manifest's hash, world size and files present
+        (by size; checksums are checked when read), or None."""
+        d = self.step_dir(step)
+        try:
+            with open(os.path.join(d, TIER_FILE), "rb") as f:
+                rec = json.loads(f.read(1 << 20))
+            with open(os.path.join(d, MANIFEST), "rb") as f:
+                raw = f.read()
+        except (OSError, ValueError):
+            return None
+        if not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step:
+            return None
+        try:
+            man = json.loads(raw)
+        except ValueError:
+            return None
+        files = {}
+        for name, frec in (man.get("files") or {}).items():
+            try:
+                size = os.path.getsize(os.path.join(d, name))
+            except OSError:
+                continue
+            if size == frec.get("size"):
+                files[name] = size
+        return {"manifest": file_xxh3(raw), "world": man.get("world_size"), "files": sorted(files),
+                "all": sorted(man.get("files") or {})}
+
+    def inventory(self) -> dict[str, Any]:
+        return {str(s): rec for s in self.steps() if (rec := self.step_record(s)) is not None}
+
+    def quarantined(self) -> dict[str, str]:
+        try:
+            with open(os.path.join(self.base, QUARANTINE_FILE), "rb") as f:
+                rec = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
+
+    def quarantine(self, marks: Mapping[str, str]) -> None:
+        self.ensure()
+        rec = {**self.quarantined(), **marks}
+        write_bytes_atomic(os.path.join(self.base, QUARANTINE_FILE), json.dumps(rec, sort_keys=True).encode())
+
+    def manifest_bytes(self, step: int) -> bytes | None:
+        try:
+            with open(os.path.join(self.step_dir(step), MANIFEST), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
+    def verified(self, step: int, name: str, expected: str) -> bool:
+        path = os.path.join(self.step_dir(step), name)
+        try:
+            return digest_file(path).xxh3_128 == expected
+        except OSError:
+            return False
+
+    # ------------------------------------------------------------------ publish and retain
+    def publish(self, step: int, token: str, manifest: bytes, own: list[str], replicas: list[str]) -> None:
+        """The node's first rank, after every rank of the node wrote (and every replica it
+        holds arrived): manifest and tier record into the partial directory, then one rename."""
+        part = self.partial(step, token)
+        os.makedirs(part, exist_ok=True)
+        write_bytes_atomic(os.path.join(part, MANIFEST), manifest)
+        rec = {"root": self.root, "step": step, "node": self.node, "own": own, "replicas": replicas}
+        write_bytes_atomic(os.path.join(part, TIER_FILE), json.dumps(rec).encode())
+        final = self.step_dir(step)
+        if os.path.exists(final):  # a step saved again (a run restarted from an older step)
+            aside = f"{part}.old"
+            os.rename(final, aside)
+            os.rename(part, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(part, final)
+
+    def sweep_partials(self, keep_token: str | None = None) -> None:
+        try:
+            names = os.listdir(self.base)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(".partial-") and (keep_token is None or keep_token not in name):
+                shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
+
+    def retain(self, keep: int | None, max_bytes: int | None, protect: set[int]) -> list[int]:
+        """Drop the oldest steps beyond ``keep`` and while the run's bytes exceed ``max_bytes``
+        (never the newest step, nor a protected one)."""
+        steps = self.steps()
+        gone: list[int] = []
+        if not steps:
+            return gone
+        newest = steps[-1]
+        doomed = steps[:-keep] if keep is not None and keep > 0 and len(steps) > keep else []
+        for s in doomed:
+            if s != newest and s not in protect:
+                shutil.rmtree(self.step_dir(s), ignore_errors=True)
+                gone.append(s)
+        if max_bytes is not None:
+            left = [s for s in steps if s not in gone]
+            while len(left) > 1 and self.nbytes() > max_bytes:
+                s = left.pop(0)
+                if s in protect:
+                    continue
+                shutil.rmtree(self.step_dir(s), ignore_errors=True)
+                gone.append(s)
+        return gone
+
+    def nbytes(self) -> int:
+        total = 0
+        for dirpath, _, files in os.walk(self.base):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    pass
+        return total
+
+
+# ---------------------------------------------------------------------- placement
+
+
+def replica_targets(nodes: list[str], replicas: int) -> dict[int, list[int]]:
+    """Rank -> the ranks that receive a replica of its file: on the ``replicas`` next nodes (in
+    the order the nodes first appear), never its own; the rank with the same position on that
+    node where it has one, so every node receives about as much as it sends."""
+    order = list(dict.fromkeys(nodes))
+    members: dict[str, list[int]] = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    k = min(replicas, len(order) - 1)
+    out: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):
+        i, pos = order.index(n), members[n].index(r)
+        dests = []
+        for j in range(1, k + 1):
+            other = members[order[(i + j) % len(order)]]
+            dests.append(other[pos % len(other)])
+        out[r] = dests
+    return out
+
+
+def non_finite(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating tensors among ``items`` that hold NaN or Inf."""
+    bad = []
+    for name, t in items:
+        if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad
+
+
+def read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def warn(text: str) -> None:
+    warnings.warn(text, SafeckptWarning, stacklevel=3)
+
+
+def spread(items: Sequence[Any], k: int) -> int:
+    """A stable index in range(k) for a string."""
+    return int(hashlib.sha256(str(items).encode()).hexdigest()[:8], 16) % max(k, 1)
+
+

@@ -1,0 +1,368 @@
+"""The collective phases of the node-local tier (see :mod:`safeckpt.engine.local_tier` for the
+layout): a local save after the snapshot, its drain to ``root``, and a restore from the
+nearest verified copy of each file. Every phase is one ``Coordinator.decide``: a failure on
+any rank raises the same error on every rank, and every choice (the step, who sends which
+file to whom) is the coordinator's, broadcast.
+
+Save of step N (background thread, after ``SaveJob.agree`` + ``snapshot`` on the caller's):
+
+1. local-write  each rank writes its file (the bytes ``safeckpt.save`` would write for it,
+                from the staged buffers) into its node's partial directory; with
+                ``check_finite`` it first refuses NaN/Inf (naming the tensors). The
+                coordinator builds the manifest and the replica placement.
+2. replicate    each rank reads its file back, checks it against its reported checksum and
+                sends it to its replica ranks (``coord.dist.send_recv``); receivers verify
+                before keeping it. A replica that fails is dropped with a warning on every
+                rank (the step stays complete locally, with fewer copies).
+3. publish      the first rank of each node writes the manifest and renames the partial
+                directory into place, then applies the local retention.
+4. drain        (every ``durable_every``-th step, on preemption, at close) the same staged
+                bytes are committed under ``root`` by the ordinary save path.
+
+Restore: inventory (every node's steps, files, manifest hashes; root's steps; quarantine) ->
+for each candidate step, newest first: verify (each node's ranks hash their node's copies) ->
+fetch rounds (each missing or bad file from the next holder, over the group, else from root,
+verified on arrival) -> ``engine.load.load`` through the tier URL. A step some file of which
+has no valid copy is skipped by every rank together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+
+from ..coord.dist import Coordinator, send_recv
+from ..errors import CheckpointError, CorruptCheckpoint
+from ..format.manifest import MANIFEST
+from ..format.manifest_text import encode as encode_manifest_text
+from ..storage import commit as _commit
+from ..storage.base import Storage
+from ..storage.posix import write_bytes_atomic
+from .load import load
+from .local_tier import (
+    TIER_FILE,
+    NodeDir,
+    as_tensor,
+    file_xxh3,
+    non_finite,
+    read_file,
+    replica_targets,
+    tier_url,
+    warn,
+)
+from .request import CommitHooks
+
+ROOT = -1  # a fetch source: read the file from root
+
+
+# ---------------------------------------------------------------------- save
+
+
+def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: bool,
+               keep_local: int | None, max_bytes: int | None, protect: set[int]) -> dict[str, Any]:
+    """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``."""
+    token = job.staging["token"]
+    part = nd.partial(step, token)
+    job_staging = job.staging.get("path")
+
+    def write() -> dict[str, Any]:
+        if check_finite:
+            bad = non_finite(job.items)
+            if bad:
+                raise CheckpointError(
+                    f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
+                    + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+                    + "; the step was not committed on any tier (the previous steps are intact)")
+        nd.ensure()
+        nd.sweep_partials(keep_token=token)
+        os.makedirs(part, exist_ok=True)
+        report = job._write({"token": token, "path": part})
+        report["node"] = nd.node
+        return report
+
+    def manifest(written: list[dict[str, Any]]) -> dict[str, Any]:
+        files: dict[str, Any] = {}
+        for r, w in enumerate(written):
+            files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r,
+                                "data": w["data"], "index": w["index"]}
+        head = job._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
+        objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in job.objects}
+        raw = encode_manifest_text(head, objects, job.plan.tensors_json)
+        nodes = [w["node"] for w in written]
+        return {"manifest": raw.decode(), "files": [[w["file"], w["size"], w["xxh3_128"]] for w in written],
+                "nodes": nodes, "targets": replica_targets(nodes, replicas)}
+
+    hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
+    d = coord.decide("local-write", write, manifest, hint=hint)
+    files, nodes = d["files"], d["nodes"]
+    targets = {int(k): v for k, v in d["targets"].items()}
+    me = coord.rank
+
+    def replicate() -> dict[str, Any]:
+        sends, recvs, bad = [], [], []
+        if targets.get(me):
+            name, size, xxh = files[me]
+            data = read_file(os.path.join(part, name))
+            if len(data) != size or file_xxh3(data) != xxh:
+                # what is on disk is not what was written: send nothing, the receivers drop it
+                bad.append(f"rank {me}'s own copy of {name} on {nd.node} no longer matches its checksum")
+                data = b"\0" * size
+            tensor = as_tensor(data)
+            sends = [(dst, me, tensor) for dst in targets[me]]
+        for src, dsts in targets.items():
+            if me in dsts:
+                recvs.append((src, src, torch.empty(files[src][1], dtype=torch.uint8)))
+        send_recv(coord, sends, recvs)
+        got = []
+        for src, _, buf in recvs:
+            name, size, xxh = files[src]
+            view = buf.numpy()
+            if file_xxh3(view) != xxh:
+                bad.append(f"the replica of {name} (rank {src}) received by rank {me} on {nd.node} does not "
+                           "match its checksum: not kept")
+                continue
+            write_bytes_atomic(os.path.join(part, name), view.tobytes())
+            got.append(name)
+        return {"got": got, "bad": bad}
+
+    def held(reports: list[dict[str, Any]]) -> dict[str, Any]:
+        by_node: dict[str, list[str]] = {}
+        for r, rep in enumerate(reports):
+            by_node.setdefault(nodes[r], []).extend(rep["got"])
+        return {"held": by_node, "warnings": [b for rep in reports for b in rep["bad"]]}
+
+    d2 = coord.decide("replicate", replicate, held, hint=hint)
+    for note in d2["warnings"]:
+        warn(f"step {step}: {note}")
+    raw = d["manifest"].encode()
+
+    def publish() -> None:
+        if nodes.index(nd.node) == me:  # the node's first rank
+            own = [files[r][0] for r, n in enumerate(nodes) if n == nd.node]
+            nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])))
+            nd.retain(keep_local, max_bytes, protect | {step})
+        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
+            try:
+                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place
+            except OSError:
+                pass
+
+    coord.decide("local-publish", publish, lambda _: None, hint=hint)
+    return {"step": step, "manifest": raw}
+
+
+def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Callable[[], None],
+          after_commit: Callable[[int | None], Any], step: int) -> Any:
+    """Commit the staged bytes of ``job`` under ``target`` (root) with the ordinary save path."""
+    def begin(_: Any) -> dict[str, str]:
+        before()
+        return _commit.begin(store, target, True)
+
+    staging = coord.decide("durable-begin", lambda: None, begin, hint="Nothing was written under root.")
+    job.target, job.store, job.staging, job.overwrite = target, store, staging, True
+    job.hooks = CommitHooks(after_commit=after_commit,
+                            after_commit_hint=f"The checkpoint {target} is committed; only retention failed.")
+    return job.finish(coord)
+
+
+# ---------------------------------------------------------------------- restore
+
+
+def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """One exchange: every node's steps and the root's (``root_side()`` on the coordinator:
+    ``{"steps": [...], "quarantine": {...}, "warnings": [...]}``)."""
+    def mine() -> dict[str, Any]:
+        return {"node": nd.node, "inv": nd.inventory(), "q": nd.quarantined()}
+
+    def resolve(values: list[dict[str, Any]]) -> dict[str, Any]:
+        nodes = [v["node"] for v in values]
+        inv: dict[str, Any] = {}
+        quarantine: dict[str, str] = {}
+        for v in values:
+            inv.setdefault(v["node"], v["inv"])
+            quarantine.update(v["q"])
+        root = root_side()
+        quarantine.update(root.get("quarantine", {}))
+        steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
+        cands = sorted((s for s in steps if str(s) not in quarantine), reverse=True)
+        return {"nodes": nodes, "inv": inv, "root": root["steps"], "cands": cands,
+                "quarantine": quarantine, "warnings": root.get("warnings", [])}
+
+    return coord.decide("tier-inventory", mine, resolve, hint="Nothing was loaded; the state is unchanged.")
+
+
+def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], dict[str, list[str]]]:
+    """(the manifest hash to use, its files, file -> nodes holding a copy) for ``step``: the
+    save with the most copies when nodes hold different saves of one step number."""
+    by_hash: dict[str, dict[str, list[str]]] = {}
+    names: dict[str, list[str]] = {}
+    for node, inv in plan["inv"].items():
+        rec = inv.get(str(step))
+        if rec is None:
+            continue
+        names[rec["manifest"]] = rec["all"]
+        held = by_hash.setdefault(rec["manifest"], {})
+        for f in rec["files"]:
+            held.setdefault(f, []).append(node)
+    if not by_hash:
+        return None, [], {}
+    best = max(sorted(by_hash), key=lambda h: (len(by_hash[h]), sum(map(len, by_hash[h].values()))))
+    return best, names[best], by_hash[best]
+
+
+def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
+                  *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
+                  reasons: list[str]) -> bool:
+    """Assemble ``step`` on every node and load it. False (on every rank) when some file has
+    no valid copy or the load found damage (the reason is appended); True when loaded."""
+    mhash, names, holders = holders_of(plan, step)
+    nodes: list[str] = plan["nodes"]
+    me = coord.rank
+    members = [r for r, n in enumerate(nodes) if n == nd.node]
+    pos = members.index(me)
+    my_rec = plan["inv"].get(nd.node, {}).get(str(step))
+    in_root = step in plan["root"]
+    man_source = next((nodes.index(n) for n in dict.fromkeys(nodes) if nd_holds(plan, n, step, mhash)), None)
+
+    def verify() -> dict[str, Any]:
+        out: dict[str, Any] = {"bad": []}
+        if my_rec is not None and my_rec["manifest"] != mhash:
+            if pos == 0:  # another save of this step number: useless here, and in the way
+                import shutil
+
+                shutil.rmtree(nd.step_dir(step), ignore_errors=True)
+            return out
+        if my_rec is None:
+            return out
+        raw = nd.manifest_bytes(step)
+        if raw is None or file_xxh3(raw) != mhash:
+            out["bad"] = list(my_rec["files"])
+            return out
+        man = json.loads(raw)
+        mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
+        out["bad"] = [f for f in mine if not nd.verified(step, f, man["files"][f]["xxh3_128"])]
+        if me == man_source:
+            out["manifest"] = raw.decode()
+        return out
+
+    def fetch_plan(reports: list[dict[str, Any]]) -> dict[str, Any]:
+        bad_at = {(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]}
+        text = next((rep["manifest"] for rep in reports if "manifest" in rep), None)
+        if text is None or file_xxh3(text.encode()) != mhash:
+            return {"skip": f"step {step}: no node holds its manifest intact"}
+        good = {f: [n for n in holders.get(f, []) if (n, f) not in bad_at] for f in names}
+        entries, lacking = [], []
+        order = list(dict.fromkeys(nodes))
+        for n in order:
+            ranks = [r for r, m in enumerate(nodes) if m == n]
+            for i, f in enumerate(names):
+                if n in good[f]:
+                    continue
+                srcs = []
+                for j, h in enumerate(good[f]):
+                    hr = [r for r, m in enumerate(nodes) if m == h]
+                    srcs.append(hr[(i + j) % len(hr)])
+                if in_root and root_file is not None:
+                    srcs.append(ROOT)
+                if not srcs:
+                    lacking.append(f)
+                entries.append([ranks[i % len(ranks)], f, srcs])
+        if lacking:
+            return {"skip": f"step {step}: no valid copy of {', '.join(sorted(set(lacking))[:5])} on any node"
+                    + (" nor under root" if root_file is not None else "")}
+        notes = [f"restore of step {step}: the copy of {f} on {n} failed verification; taking it from "
+                 "another copy" for n, f in sorted(bad_at)]
+        return {"manifest": text, "entries": entries, "warnings": notes}
+
+    unchanged = "Nothing was loaded; the state is unchanged."
+    d = coord.decide("tier-verify", verify, fetch_plan, hint=unchanged)
+    if "skip" in d:
+        reasons.append(d["skip"])
+        return False
+    for note in d["warnings"]:
+        warn(note)
+    raw = d["manifest"].encode()
+    man = json.loads(raw)
+    expected = {f: (rec["size"], rec["xxh3_128"]) for f, rec in man["files"].items()}
+    entries = d["entries"]
+    done = [False] * len(entries)
+    rounds = max((len(e[2]) for e in entries), default=0)
+    for k in range(rounds):
+        todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
+        if not any(not done[i] for i in range(len(entries))):
+            break
+
+        def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
+            sends, recvs, got, failed = [], [], [], []
+            for i in todo:
+                dest, f, srcs = entries[i]
+                src = srcs[k]
+                if src == me:
+                    try:
+                        data = read_file(os.path.join(nd.step_dir(step), f))
+                    except OSError:
+                        data = b""
+                    if len(data) != expected[f][0]:
+                        data = (data + b"\0" * expected[f][0])[: expected[f][0]]
+                    sends.append((dest, i, as_tensor(data)))
+                if dest == me and src != ROOT:
+                    recvs.append((src, i, torch.empty(expected[f][0], dtype=torch.uint8)))
+            send_recv(coord, sends, recvs)
+            arrived: list[tuple[int, Any]] = [(tag, buf.numpy()) for _, tag, buf in recvs]
+            for i in todo:
+                dest, f, srcs = entries[i]
+                if dest == me and srcs[k] == ROOT:
+                    assert root_file is not None
+                    try:
+                        arrived.append((i, root_file(expected[f][1])))
+                    except Exception as exc:  # noqa: BLE001 - the root copy is just one more source
+                        failed.append([i, f"root: {type(exc).__name__}: {exc}"])
+            for i, data in arrived:
+                f = entries[i][1]
+                if data is None or len(data) != expected[f][0] or file_xxh3(data) != expected[f][1]:
+                    failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
+                                      "failed verification"])
+                    continue
+                _keep(nd, step, f, bytes(data), raw)
+                got.append(i)
+            return {"got": got, "failed": failed}
+
+        res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
+        for rep in res:
+            for i in rep["got"]:
+                done[i] = True
+            for _i, why in rep["failed"]:
+                warn(f"restore of step {step}: {why}; trying the next copy")
+    if not all(done):
+        missing = sorted({entries[i][1] for i in range(len(entries)) if not done[i]})
+        reasons.append(f"step {step}: no copy of {', '.join(missing[:5])} could be fetched and verified")
+        return False
+    try:
+        load(tier_url(nd.tag, step), state, strict=strict, timeout=timeout)
+    except (CorruptCheckpoint, FileNotFoundError) as exc:
+        reasons.append(f"step {step} (local tier): {exc}")
+        return False
+    return True
+
+
+def nd_holds(plan: dict[str, Any], node: str, step: int, mhash: str | None) -> bool:
+    rec = plan["inv"].get(node, {}).get(str(step))
+    return rec is not None and rec["manifest"] == mhash
+
+
+def _keep(nd: NodeDir, step: int, name: str, data: bytes, manifest: bytes) -> None:
+    """A fetched, verified file into this node's directory of ``step`` (created if the node
+    lost it), replacing a bad copy."""
+    d = nd.step_dir(step)
+    nd.ensure()
+    os.makedirs(d, exist_ok=True)
+    if not os.path.exists(os.path.join(d, MANIFEST)):
+        write_bytes_atomic(os.path.join(d, MANIFEST), manifest)
+    if not os.path.exists(os.path.join(d, TIER_FILE)):
+        rec = {"root": nd.root, "step": step, "node": nd.node, "own": [], "replicas": []}
+        write_bytes_atomic(os.path.join(d, TIER_FILE), json.dumps(rec).encode())
+    write_bytes_atomic(os.path.join(d, name), data)
