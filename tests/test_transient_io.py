@@ -214,3 +214,41 @@ def test_a_reader_keeps_at_most_max_open_files_open(tmp_path, monkeypatch):
     reader.close()
     assert {k: float(v[0]) for k, v in out.items()} == {f"t{i}": float(i) for i in range(6)}
     assert len(set(opened)) == 6 and peak[0] <= 2, (opened, peak)
+
+
+class _Sampler:
+    """A data position kept per rank: empty on rank 0, long on rank 1 (a legitimate per-rank
+    tree far larger than rank 0's)."""
+
+    def __init__(self, rank: int, n: int) -> None:
+        self.seen = list(range(n)) if rank == 1 else []
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.seen = sd["seen"]
+
+
+def _large_rank_tree(rank: int, world: int, root: str, n: int) -> dict:
+    import safeckpt
+
+    path = os.path.join(root, "ck")
+    safeckpt.save(path, {"w": torch.ones(4), "sampler": _Sampler(rank, n)}, timeout=60)
+    target = _Sampler(0, 0)
+    target.seen = None
+    safeckpt.load(path, {"w": torch.zeros(4), "sampler": target}, timeout=60)
+    report = safeckpt.verify(path)
+    return {"loaded": len(target.seen), "verify": (report.ok, report.problems[:2])}
+
+
+def test_a_rank_tree_larger_than_rank_0s_is_not_taken_for_a_forged_index(tmp_path):
+    """The index bound (item 11) must not refuse a legitimate checkpoint whose rank 1 keeps a
+    1.4 MB tree of its own while rank 0's is empty (it did: CorruptCheckpoint on every rank, and
+    a manager's restore fell back to the older step)."""
+    n = 200_000
+    outs = dist_harness.run(_large_rank_tree, 2, str(tmp_path), n, timeout=150)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        assert o.value["verify"][0], o.value["verify"]
+    assert outs[1].value["loaded"] == n and outs[0].value["loaded"] == 0

@@ -53,7 +53,6 @@ class Layout:
         self.indexes: dict[str, dict[str, Any]] = {}  # file name -> parsed, checked index
         self._pieces: dict[int, list[tuple[str, list[int], list[int]]]] | None = None
         self._boxes: dict[int, list[tuple[str, list[int], list[int]]]] | None = None
-        self._trees_room: int | None = None
 
     # ------------------------------------------------------------- locations
     def holders(self, key: str, want: Box | None, rank: int) -> Iterable[int]:
@@ -146,8 +145,8 @@ class Layout:
     def index_limit(self, rank: int, file_size: int) -> int:
         """The most bytes the index of ``rank``'s file can have: the JSON of every chunk the
         manifest places there (key, offsets, sizes as they are, byte offsets of at most
-        ``file_size``'s digits, a checksum), plus, if the rank keeps trees of its own
-        (``rank_trees``), room for them (4x the manifest's object trees and 1 MiB), else none.
+        ``file_size``'s digits, a checksum); a rank that keeps trees of its own (``rank_trees``)
+        gets the reader's global cap (``MAX_INDEX``), since its trees may be any size.
         So an index is bounded by what the manifest expects before it is read: a forged 256
         MiB index costs its parse on every rank no more."""
         pos = 2 * len(str(file_size)) + 16 + 10  # start,end,"checksum", brackets, commas, quotes
@@ -155,10 +154,12 @@ class Layout:
         for (key, offsets), sizes in self.expected(rank).items():
             n += len(json.dumps(key)) + 2 * len(offsets) + 4 + sum(len(str(v)) for v in (*offsets, *sizes)) + pos
         if rank in set(self.man.get("rank_trees", ())):
-            if self._trees_room is None:
-                objects = json.dumps(self.man["objects"], separators=(",", ":"), allow_nan=True)
-                self._trees_room = 4 * len(objects) + (1 << 20)
-            n += self._trees_room
+            # A rank's own trees (its RNG state, a data position list) may legitimately be far
+            # larger than rank 0's (an empty list there, a long one here): only the reader's
+            # global cap bounds them. Rank 0's file, which every rank reads, never holds trees
+            # of its own (trees are kept where they differ from rank 0's), so its bound stays
+            # exact.
+            return MAX_INDEX
         return n
 
     def _check_index(self, name: str, rec: dict[str, Any], idx: dict[str, Any]) -> None:
