@@ -40,18 +40,25 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, per_node: int = PER_NODE) -> dict:
-    """Run ``plan``: ("save", step[, wait]), ("restore", expected or None), ("close",),
-    ("quarantine", step), ("nan", step). Returns what each step observed."""
+    """Run ``plan``: ("save", step), ("restore", expected step or None), ("close",),
+    ("quarantine", step), ("nan", step) (rank 1's per-rank tensor holds a NaN), ("root", path)
+    (a new manager on another root, same local_dir). Returns what each step observed."""
     import safeckpt
 
     node = rank // per_node
     os.environ["GROUP_RANK"] = str(node)
     local = os.path.join(nodes_dir, f"node{node}")
     out: dict = {"restored": [], "warnings": [], "errors": []}
-    mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=10, replicas=1, keep_last=None,
-                                     check_finite=True, preemption_signals=(), timeout=30)
+
+    def manager(where: str) -> safeckpt.CheckpointManager:
+        return safeckpt.CheckpointManager(where, local_dir=local, durable_every=10, replicas=1, keep_last=None,
+                                          check_finite=True, preemption_signals=(), timeout=30)
+
+    mgr = manager(root)
     for op in plan:
-        if op[0] == "save":
+        if op[0] == "root":
+            mgr = manager(op[1])
+        elif op[0] == "save":
             mgr.save(op[1], _state(op[1], rank))
             mgr.wait()
         elif op[0] == "nan":
@@ -71,7 +78,7 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, per_node:
                 got = mgr.restore(st)
             out["warnings"] += [str(w.message) for w in caught]
             exp = op[1]
-            out["restored"].append([got, exp is None or _same(st, _state(exp, rank))])
+            out["restored"].append([got, _same(st, _state(0 if exp is None else exp, rank))])
         elif op[0] == "quarantine":
             mgr.quarantine(op[1], "loss spiked")
         elif op[0] == "close":
@@ -86,9 +93,13 @@ def _run(plan: list, root, nodes_dir, world: int = WORLD, per_node: int = PER_NO
     return [o.value for o in outs]
 
 
-def _step_dir(nodes_dir, node: int, step: int) -> str:
+def _step_dir(nodes_dir, node: int, step: int, root=None) -> str:
+    from safeckpt.engine.local_tier import tier_tag
+
     base = os.path.join(nodes_dir, f"node{node}")
-    (run,) = [n for n in os.listdir(base) if n.startswith("run-")]
+    runs = [n for n in os.listdir(base) if n.startswith("run-")]
+    run = tier_tag(str(root)) if root is not None else runs[0]
+    assert root is not None or len(runs) == 1, runs
     return os.path.join(base, run, f"step-{step:010d}")
 
 
@@ -125,53 +136,52 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     assert not root.exists()  # nothing was read from (or written to) root
 
 
-def test_root_is_used_where_no_node_holds_a_file_and_close_drains(tmp_path):
-    root, nodes = tmp_path / "root", tmp_path / "nodes"
-    # steps 10 (durable), 11 (local); close drains 11 to root.
+def test_root_fills_what_no_node_holds_other_runs_are_ignored_finite_and_quarantine(tmp_path):
+    import safeckpt
+    from safeckpt.engine.local_tier import TIER_FILE, tier_tag
+
+    root, other, nodes = tmp_path / "root", tmp_path / "other", tmp_path / "nodes"
+    # Job 1: steps 10 (durable), 11 (local); close drains 11 to root from the staged bytes.
     _run([("save", 10), ("save", 11), ("close",)], root, nodes)
     assert sorted(os.listdir(root)) == ["step-0000000010", "step-0000000011"]
-    import safeckpt
-
     assert safeckpt.verify(str(root / "step-0000000011")).ok
-    # Nodes 1 and 2 lost: node 0 holds files 0, 1 and the replicas of node 2 (4, 5); 2 and 3 come from root.
+    # Nodes 1 and 2 lost: node 0 holds files 0, 1 and node 2's replicas (4, 5); 2 and 3 come from root.
     shutil.rmtree(nodes / "node1")
     shutil.rmtree(nodes / "node2")
-    outs = _run([("restore", 11)], root, nodes)
+    # A copy of this run's step 11 dressed up as another root's data (its tier record names
+    # this root) must not be used by that other root's manager.
+    src = _step_dir(nodes, 0, 11)
+    fake = nodes / "node0" / tier_tag(str(other))
+    fake.mkdir()
+    (fake / TIER_FILE).write_text(json.dumps({"format": "safeckpt-local-tier", "root": str(other)}))
+    shutil.copytree(src, fake / "step-0000000011")
+    # Job 2: restore 11; then another root on the same local dirs: a fresh run; NaN refused on
+    # every tier; a quarantined step skipped.
+    outs = _run([("restore", 11), ("root", str(other)), ("restore", None), ("save", 1), ("nan", 2),
+                 ("save", 3), ("quarantine", 3), ("restore", 1), ("close",)], root, nodes)
     for o in outs:
-        assert o["restored"] == [[11, True]], o
-    # World-size change: 2 ranks on one node restore the same step (files from node 0 and root).
+        assert o["restored"] == [[11, True], [None, True], [1, True]], o
+        assert o["errors"][0] is not None and "NaN/Inf in mine" in o["errors"][0], o
+    for n in range(NODES):
+        assert not os.path.exists(os.path.join(nodes, f"node{n}", tier_tag(str(other)), "step-0000000002"))
+    assert json.loads((other / ".safeckpt-quarantine.json").read_text()) == {"3": "loss spiked"}
+    # close drained nothing: the newest step (3) is quarantined, 1 and 2 were never durable
+    assert not [n for n in os.listdir(other) if n.startswith("step-")]
+    # Job 3, another world size: 2 ranks on one node restore step 11 from node 0's files and root.
     outs = _run([("restore", 11)], root, nodes, world=2, per_node=2)
     for o in outs:
-        assert o["restored"] == [[11, None]] or o["restored"][0][0] == 11, o
+        assert o["restored"] == [[11, True]], o
 
 
-def test_other_runs_local_data_is_ignored(tmp_path):
-    nodes = tmp_path / "nodes"
-    _run([("save", 10), ("save", 11)], tmp_path / "rootA", nodes)
-    # Another root with the same local_dirs: a fresh run (nothing of run A is used) ...
-    outs = _run([("restore", None), ("save", 1), ("restore", 1)], tmp_path / "rootB", nodes)
-    for o in outs:
-        assert o["restored"] == [[None, True], [1, True]], o
-    # ... and a copy of run A's data dressed up under run B's directory name is refused too.
-    for n in range(NODES):
-        base = nodes / f"node{n}"
-        runs = sorted(os.listdir(base))
-        a = next(r for r in runs if os.path.exists(base / r / "step-0000000011"))
-        b = next(r for r in runs if r != a)
-        shutil.copytree(base / a / "step-0000000011", base / b / "step-0000000011")
-    outs = _run([("restore", 1)], tmp_path / "rootB", nodes)
-    for o in outs:
-        assert o["restored"] == [[1, True]], o
+def test_quarantine_without_local_tier_hides_a_root_step(tmp_path):
+    import safeckpt
 
-
-def test_check_finite_refuses_and_quarantine_hides(tmp_path):
-    root, nodes = tmp_path / "root", tmp_path / "nodes"
-    outs = _run([("save", 10), ("save", 11), ("nan", 12), ("quarantine", 11), ("restore", 10)], root, nodes)
-    for o in outs:
-        assert o["errors"][0] is not None and "NaN/Inf in mine" in o["errors"][0], o
-        assert o["restored"] == [[10, True]], o
-    for n in range(NODES):
-        assert not os.path.exists(_step_dir(nodes, n, 12))
-    # quarantine reaches root too: a manager without a local tier skips the step there
-    q = json.loads((root / ".safeckpt-quarantine.json").read_text())
-    assert q == {"11": "loss spiked"}
+    with safeckpt.CheckpointManager(tmp_path, keep_last=None, preemption_signals=()) as m:
+        m.save(1, _state(1, 0))
+        m.save(2, _state(2, 0))
+        m.quarantine(2, "diverged")
+        st = _state(0, 0)
+        with pytest.warns(safeckpt.SafeckptWarning, match="skipping step 2: quarantined .diverged."):
+            assert m.restore(st) == 1
+        assert _same(st, _state(1, 0))
+        assert m.restore(_state(0, 0), step=1) == 1

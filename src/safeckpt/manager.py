@@ -326,8 +326,9 @@ class CheckpointManager:
                 "the save by every rank and published by its rename (not with async_save, not on "
                 "an object store)")
         if self._tier is not None:
-            if extra_files or write_files is not None:
-                raise CheckpointError("extra_files and write_files are not supported with local_dir")
+            if extra_files or write_files is not None or named is not None:
+                raise CheckpointError("extra_files, write_files and named are not supported with local_dir "
+                                      "(the node-local tier writes each rank's data file only)")
             return self._save_tiered(step, state, metrics, metadata)
         path = join(self.root, self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
@@ -476,6 +477,8 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         mark = {str(int(step)): str(reason)}
+        if self._last is not None and self._last["step"] == step:
+            self._last["durable"] = True  # close() must not drain it to root
         tier = self._tier
         coord = self._coord(what=f"quarantine of step {step}")
 
@@ -485,6 +488,8 @@ class CheckpointManager:
 
         def root(_: Any) -> None:
             try:
+                if self._store.renames:  # a filesystem root that no save has created yet
+                    os.makedirs(self.root, exist_ok=True)
                 cur = self._root_quarantine()
                 self._store.put(join(self.root, QUARANTINE_NAME),
                                 json.dumps({**cur, **mark}, sort_keys=True).encode())
