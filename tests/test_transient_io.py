@@ -252,3 +252,52 @@ def test_a_rank_tree_larger_than_rank_0s_is_not_taken_for_a_forged_index(tmp_pat
         assert o.ok, (o.rank, o.error_type, o.message)
         assert o.value["verify"][0], o.value["verify"]
     assert outs[1].value["loaded"] == n and outs[0].value["loaded"] == 0
+
+
+def _steps_100_and_200(root) -> None:
+    with safeckpt.CheckpointManager(str(root), keep_last=None, preemption_signals=()) as mgr:
+        mgr.save(100, {"w": torch.full((4,), 1.0)})
+        mgr.save(200, {"w": torch.full((4,), 2.0)})
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.EIO, errno.ESTALE])
+def test_a_transient_error_on_the_manifest_is_no_fallback(tmp_path, monkeypatch, err):
+    """The restore pick read a StorageUnavailable opening step 200's manifest as 'corrupt' and
+    fell back to step 100 (found by review): the storage failed, not the checkpoint."""
+    _steps_100_and_200(tmp_path)
+    real = os.open
+
+    def failing(path, flags, *args, **kwargs):
+        p = os.fspath(path)
+        if "step-0000000200" in p and p.endswith("manifest.json"):
+            raise OSError(err, os.strerror(err), p)
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing)
+    state = {"w": torch.zeros(4)}
+    with safeckpt.CheckpointManager(str(tmp_path), preemption_signals=()) as mgr:
+        with pytest.raises(StorageError):
+            mgr.restore(state)
+    assert not state["w"].any()
+
+
+@pytest.mark.parametrize("err", [errno.ESTALE, errno.EIO])
+def test_a_transient_lstat_in_the_pick_is_no_missing_file(tmp_path, monkeypatch, err):
+    """One ESTALE/EIO from lstat of a data file (NFS) was 'missing file' and a fallback to step
+    100; it is tried again (and raised as a storage error if it persists)."""
+    _steps_100_and_200(tmp_path)
+    real = os.lstat
+    failed = []
+
+    def once(path, *args, **kwargs):
+        p = os.fspath(path)
+        if "step-0000000200" in p and "rank-" in p and not failed:
+            failed.append(p)
+            raise OSError(err, os.strerror(err), p)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", once)
+    state = {"w": torch.zeros(4)}
+    with safeckpt.CheckpointManager(str(tmp_path), preemption_signals=()) as mgr:
+        assert mgr.restore(state) == 200
+    assert failed and torch.equal(state["w"], torch.full((4,), 2.0))

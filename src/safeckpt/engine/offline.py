@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ..format.manifest import safe_file_path
+from ..errors import CheckpointError, StorageError
+from ..format.manifest import retry_io, safe_file_path
 from ..format.shardfile import header_problems
 from ..format.tree import decode, escape_key
 from ..storage.base import Storage, is_remote, resolve, storage_for
@@ -66,7 +66,7 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
         names = sorted(stored["files"])
         paths = [safe_file_path(ckpt, name) for name in names]
         sizes = _sizes(store, paths) if is_remote(ckpt) else None
-        present = [s is not None for s in sizes] if sizes is not None else [os.path.lexists(p) for p in paths]
+        present = [s is not None for s in sizes] if sizes is not None else [_present(p) for p in paths]
         missing = [f"missing file {name}" for name, there in zip(names, present) if not there]
         if missing:  # said plainly, before format 3's indexes are read from those files
             return VerifyReport(ckpt, False, missing, stored.get("step"), 0, deep)
@@ -83,6 +83,8 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
         # format 3: the manifest as format 2 shapes it, every file's index read (once more: the
         # stored form is a different object); older formats are used as stored
         man = stored if stored.get("format_version") != 3 else open_manifest(ckpt, store)
+    except StorageError:
+        raise  # the storage failed (EMFILE, EIO, ESTALE after retries): says nothing of the checkpoint
     except (CheckpointError, OSError) as exc:
         return VerifyReport(ckpt, False, [str(exc)], deep=deep)
     nbytes = 0
@@ -93,6 +95,8 @@ def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
     for name, rec in sorted(man["files"].items()):
         try:
             f = open_data_file(ckpt, name, rec["size"], store)
+        except StorageError:
+            raise
         except CheckpointError as exc:
             problems.append(f"{name}: {exc}")
             continue
@@ -133,6 +137,8 @@ def _deep_problems(store: Storage, ckpt: str, name: str, rec: dict[str, Any], ch
     spans = sorted({(c["start"], c["end"]) for c in chunks})
     try:
         got = store.hash(safe_file_path(ckpt, name), progress=progress, spans=spans)
+    except StorageError:
+        raise
     except (CheckpointError, OSError) as exc:
         return [f"{name}: {exc}"]
     problems = []
@@ -194,3 +200,14 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
             _flatten(v, f"{prefix}/{escape_key(str(k))}", out)
     else:
         out[prefix] = value
+
+
+def _present(path: str) -> bool:
+    """Whether a data file is there (not following a link): only ENOENT/ENOTDIR say it is not;
+    a transient error (ESTALE, EIO) is tried again, then raised as StorageUnavailable, never
+    taken for a missing file (a restore would fall back over it)."""
+    try:
+        retry_io(lambda: os.lstat(path), f"stat {path}")
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True

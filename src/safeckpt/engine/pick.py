@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound, StorageError
 from ..storage.base import Storage
 from ..storage.catalog import DirName, _inspect, _match
 from .offline import verify_on
@@ -89,6 +89,8 @@ def judge(store: Storage, pending: list[list[Any]]) -> dict[str, Any]:
                 elif e.status == "committed":  # its manifest landed meanwhile
                     return _judged(store, pending, i, e.path, step, None, notes, damaged, vanished)
             continue
+        except StorageError:
+            raise  # the storage failed (after retries), not the checkpoint: never a fallback
         except (CheckpointError, OSError) as exc:
             notes.append(f"ignoring {path}: corrupt ({exc})")
             damaged.append(f"step {step}: unreadable manifest ({exc})")
