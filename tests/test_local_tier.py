@@ -12,10 +12,12 @@ import json
 import os
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+from safeckpt.engine.local_tier import SCHEME
 from tests.helpers import dist_harness
 
 NODES, PER_NODE = 3, 2
@@ -60,7 +62,22 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, per_node:
             mgr = manager(op[1])
         elif op[0] == "save":
             mgr.save(op[1], _state(op[1], rank))
-            mgr.wait()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mgr.wait()
+            out["warnings"] += [str(w.message) for w in caught]
+        elif op[0] == "corrupt-replica" and rank == 0:  # the next replica rank 0 sends is damaged on the way
+            import safeckpt.engine.tier as tier
+
+            plain = tier.as_tensor
+
+            def damaged(data: bytes, plain=plain) -> torch.Tensor:
+                t = plain(data).clone()
+                t[len(t) // 2] ^= 1
+                tier.as_tensor = plain
+                return t
+
+            tier.as_tensor = damaged
         elif op[0] == "nan":
             st = _state(op[1], rank)
             if rank == 1:
@@ -108,6 +125,10 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     # Job 1: step 10 durable (root), steps 11 and 12 on the local tier only; then it dies.
     _run([("save", 10), ("save", 11), ("save", 12)], root, nodes)
     assert sorted(os.listdir(root)) == ["step-0000000010"]
+    assert not list(Path.cwd().glob(f"{SCHEME}*"))  # the tier URL never lands as a relative path
+    for n in range(NODES):  # keep_local=2: the newest two steps, no leftovers of the saves
+        base = os.path.dirname(_step_dir(nodes, n, 12))
+        assert sorted(os.listdir(base)) == ["step-0000000011", "step-0000000012", "tier.json"]
     for n in range(NODES):  # each node: its own 2 files + the 2 replicas of the previous node's
         rec = json.loads(open(os.path.join(_step_dir(nodes, n, 12), "tier.json")).read())
         prev = (n - 1) % NODES
@@ -141,8 +162,15 @@ def test_root_fills_what_no_node_holds_other_runs_are_ignored_finite_and_quarant
     from safeckpt.engine.local_tier import TIER_FILE, tier_tag
 
     root, other, nodes = tmp_path / "root", tmp_path / "other", tmp_path / "nodes"
-    # Job 1: steps 10 (durable), 11 (local); close drains 11 to root from the staged bytes.
-    _run([("save", 10), ("save", 11), ("close",)], root, nodes)
+    # Job 1: steps 10 (durable), 11 (local; the replica rank 0 sends is damaged on the way, the
+    # #5281 case: caught at save); close drains 11 to root from the staged bytes.
+    outs = _run([("save", 10), ("corrupt-replica",), ("save", 11), ("close",)], root, nodes)
+    for o in outs:
+        assert o["warnings"] == ["step 11: the replica of rank-00000.safetensors (rank 0) received by rank 2 "
+                                 "on node-1 does not match its checksum: not kept"], o
+    rec = json.loads(open(os.path.join(_step_dir(nodes, 1, 11), "tier.json")).read())
+    assert rec["replicas"] == ["rank-00001.safetensors"]
+    assert not os.path.exists(os.path.join(_step_dir(nodes, 1, 11), "rank-00000.safetensors"))
     assert sorted(os.listdir(root)) == ["step-0000000010", "step-0000000011"]
     assert safeckpt.verify(str(root / "step-0000000011")).ok
     # Nodes 1 and 2 lost: node 0 holds files 0, 1 and node 2's replicas (4, 5); 2 and 3 come from root.

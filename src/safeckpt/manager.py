@@ -17,7 +17,7 @@ import signal
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .coord.dist import Coordinator, resolve_timeout
 from .coord.lease import DEFAULT_LEASE, writer_lease
@@ -376,14 +376,14 @@ class CheckpointManager:
         background = self._coord(f"async:{self.root}", what=f"background local save of step {step}")
         protect = {s for s in (self._restored,) if s is not None}
 
-        def run() -> CheckpointInfo | None:
-            save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
-                       keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect)
+        def run() -> _TierResult:
+            done = save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
+                              keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect)
             if not durable:
-                return None
+                return _TierResult(None, done["warnings"])
             info = self._drain(background, job, step)
             last["durable"] = True
-            return info
+            return _TierResult(info, done["warnings"])
 
         self._saver.submit(run, f"step {step}")
         return None
@@ -576,7 +576,12 @@ class CheckpointManager:
         """Block until the pending background save is committed; raise its error if it failed."""
         if self._saver is None:
             return None
-        return self._saver.wait()
+        got = self._saver.wait()
+        if isinstance(got, _TierResult):  # the local tier's notes, shown here on the caller's thread
+            for note in got.warnings:
+                warnings.warn(note, SafeckptWarning, stacklevel=2)
+            return got.info
+        return got
 
     @property
     def preempted(self) -> bool:
@@ -623,6 +628,13 @@ def _abandon(lock: Any, watcher: PreemptionWatcher | None) -> None:
     finally:
         if watcher:
             watcher.restore()
+
+
+class _TierResult(NamedTuple):
+    """What a background save of the local tier returns: root's info on a durable step."""
+
+    info: CheckpointInfo | None
+    warnings: list[str]
 
 
 class _Candidates:

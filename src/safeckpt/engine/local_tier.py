@@ -111,6 +111,42 @@ class NodeTierStorage(PosixStorage):
     def hash(self, path: str, progress: Any = None, spans: Sequence[tuple[int, int]] = ()) -> Any:
         return super().hash(self.local(path), progress, spans)
 
+    def write(self, path: str, items: Sequence[tuple[str, Any]], metadata: dict[str, str], index: Any = None) -> Any:
+        return super().write(self.local(path), items, metadata, index)
+
+    def put(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        super().put(self.local(path), data, exclusive=exclusive)
+
+    def delete(self, path: str) -> None:
+        super().delete(self.local(path))
+
+    def delete_tree(self, path: str) -> None:
+        super().delete_tree(self.local(path))
+
+    def stage(self, final: str, token: str) -> str:
+        return super().stage(self.local(final), token)
+
+    def sees(self, staging: str) -> bool:
+        return super().sees(self.local(staging))
+
+    def publish(self, staging: str, final: str, manifest: bytes, *, replace: bool) -> None:
+        super().publish(self.local(staging), self.local(final), manifest, replace=replace)
+
+    def put_back(self, final: str) -> bool:
+        return super().put_back(self.local(final))
+
+    def create(self, path: str, data: bytes) -> None:
+        super().create(self.local(path), data)
+
+    def touch(self, path: str, data: bytes) -> None:
+        super().touch(self.local(path), data)
+
+    def age(self, path: str, record: dict[str, Any]) -> float:
+        return super().age(self.local(path), record)
+
+    def take_over(self, path: str) -> None:
+        super().take_over(self.local(path))
+
 
 register_backend(SCHEME, "safeckpt.engine.local_tier:NodeTierStorage")
 

@@ -136,8 +136,6 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         return {"held": by_node, "warnings": [b for rep in reports for b in rep["bad"]]}
 
     d2 = coord.decide("replicate", replicate, held, hint=hint)
-    for note in d2["warnings"]:
-        warn(f"step {step}: {note}")
     raw = d["manifest"].encode()
 
     def publish() -> None:
@@ -152,7 +150,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 pass
 
     coord.decide("local-publish", publish, lambda _: None, hint=hint)
-    return {"step": step, "manifest": raw}
+    return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in d2["warnings"]]}
 
 
 def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Callable[[], None],
