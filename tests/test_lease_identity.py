@@ -258,3 +258,33 @@ def test_a_take_over_never_removes_the_fresh_record_of_a_rival(tmp_path):
         a.release()
         b.release()
     assert read_lock(root) is None
+
+
+def test_a_crashed_contenders_take_over_mutex_does_not_lock_a_restart_out(tmp_path, monkeypatch):
+    """A contender on another host killed between creating the take-over mutex and deleting it,
+    and a dead holder: acquire() used to give up after ACQUIRE_WAIT with "contention" although
+    the mutex is broken only after MUTEX_STALE (found by review). It now waits the mutex out."""
+    import json as _json
+    import socket as _socket
+
+    from safeckpt.coord import lease as lease_mod
+
+    monkeypatch.setattr(lease_mod, "MUTEX_STALE", 1.5)
+    monkeypatch.setattr(lease_mod, "ACQUIRE_WAIT", 0.3)
+    root = str(tmp_path)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    with open(os.path.join(root, lease_mod.LOCK_NAME), "w") as f:
+        _json.dump({"run_id": "old-job", "host": _socket.gethostname(), "pid": dead, "nonce": "x",
+                    "lease": 120, "started": time.time()}, f)
+    with open(os.path.join(root, lease_mod.LOCK_NAME + lease_mod.TAKEOVER_SUFFIX), "w") as f:
+        _json.dump({"host": "node-7", "pid": 4242, "beat": time.time(), "nonce": "y"}, f)
+    lock = lease_mod.RootLock(root, run_id="new-job")
+    started = time.monotonic()
+    lock.acquire()
+    try:
+        assert lock.held and 1.0 < time.monotonic() - started < 15
+    finally:
+        lock.release()

@@ -45,6 +45,8 @@ DEFAULT_LEASE = 120.0
 MAX_RECORD = 1 << 16
 MUTEX_STALE = 30.0  # seconds after which a take-over mutex is a crashed contender's (it lives ms)
 ACQUIRE_WAIT = 10.0  # seconds acquire() retries while others create, replace or take over
+# ... and longer while a take-over mutex is in the way: a crashed contender's is broken only after
+# MUTEX_STALE, and giving up before that said "contention" where nobody contends.
 
 
 def rendezvous_id() -> str | None:
@@ -174,7 +176,8 @@ class RootLock:
             return
         if self.run_id is None:
             self.run_id = default_run_id()
-        deadline = time.monotonic() + ACQUIRE_WAIT
+        started = time.monotonic()
+        mutex_seen: dict[str, Any] | None = None
         while True:
             holder = read_lock(self.root, self.store)
             if holder is not None:
@@ -194,8 +197,16 @@ class RootLock:
                         self.held = True
                         self._start_heartbeat()
                         return
-            if time.monotonic() > deadline:
-                raise CheckpointLocked(f"could not take the writer lease on {self.root} (contention)")
+            waited = time.monotonic() - started
+            if waited > ACQUIRE_WAIT:
+                mutex = _read_record(self.store, self.path + TAKEOVER_SUFFIX)
+                if mutex is not None:
+                    mutex_seen = mutex
+                if waited > ACQUIRE_WAIT + (MUTEX_STALE if mutex_seen is not None else 0.0):
+                    holder = "" if mutex_seen is None else (
+                        f"; a take-over by pid {mutex_seen.get('pid')} on {mutex_seen.get('host')} "
+                        "was in the way")
+                    raise CheckpointLocked(f"could not take the writer lease on {self.root} (contention{holder})")
             time.sleep(0.05)  # being written, replaced or taken over right now
 
     def _replaceable(self, holder: dict[str, Any]) -> bool:
