@@ -39,7 +39,8 @@ def test_dirname_patterns_format_and_parse_inversely():
     assert DirName("step-{step:010d}").format(3) == "step-0000000003"
     assert parse_step("checkpoint-07") is None  # not canonical: another program's name
     assert parse_step("checkpoint-5") == 5 and parse_step("checkpoint_5") == 5
-    assert parse_step("step-5") is None and parse_step("step-0000000005") == 5
+    # torchtitan's unpadded step-N is a step too (issue 29); still canonical only
+    assert parse_step("step-5") == 5 and parse_step("step-0000000005") == 5 and parse_step("step-05") is None
     for bad in ("checkpoint", "{step}", ".x{step}", "a/{step}", "a{step}-{step}", "a{stp}"):
         with pytest.raises(ValueError):
             DirName(bad)

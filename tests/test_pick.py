@@ -186,3 +186,27 @@ def test_checkpoint_files_are_deleted_concurrently(root, monkeypatch):
     assert order[0] == MANIFEST  # alone and first: the checkpoint stops being committed at once
     assert 1 < most[0] <= 8, most  # the rest at once, bounded
     assert store.list(ckpt) is None
+
+
+def test_retention_on_an_object_store_deletes_in_bulk(root, monkeypatch):
+    """Retention removes a committed checkpoint's objects with one delete_many (S3 DeleteObjects
+    batches; concurrent elsewhere) after its manifest, not one request per object."""
+    from safeckpt.storage.fsspec_store import FsspecStorage
+
+    calls: list[list[str]] = []
+    real = FsspecStorage.delete_many
+
+    def counting(self, paths):
+        paths = list(paths)
+        calls.append(paths)
+        return real(self, paths)
+
+    monkeypatch.setattr(FsspecStorage, "delete_many", counting)
+    extra = {"a.json": b"{}", "b.json": b"[]"}
+    with safeckpt.CheckpointManager(root, keep_last=1, preemption_signals=()) as mgr:
+        mgr.save(1, _state(1.0), extra_files=extra)
+        mgr.save(2, _state(2.0), extra_files=extra)
+        assert [c.step for c in mgr.list()] == [2]
+    bulk = [c for c in calls if any("step-0000000001" in p for p in c)]
+    # one request for the data file and both extra files (the manifest went first, alone)
+    assert len(bulk) == 1 and len(bulk[0]) >= 3, calls

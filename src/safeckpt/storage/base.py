@@ -145,6 +145,12 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Delete one file or object (absent is fine)."""
 
+    def delete_many(self, paths: Sequence[str]) -> None:
+        """Delete files or objects (absent is fine). Backends with a bulk or concurrent delete
+        override it (S3's DeleteObjects); by default one after another."""
+        for path in paths:
+            self.delete(path)
+
     @abstractmethod
     def delete_tree(self, path: str) -> None:
         """Delete a directory or prefix and everything in it, so that it never looks committed

@@ -395,8 +395,10 @@ def remove_entry(entry: Entry, store: Storage | None = None) -> None:
     """Delete a leftover or a committed checkpoint so that it never looks committed half-way."""
     store = store or storage_for(entry.path)
     if entry.files or entry.uploads:
-        for name in entry.files:  # in order: extras' sidecars last (see commit.leftover_extras)
-            store.delete(store.join(entry.path, name))
+        # extras' sidecars last, after everything they list (see commit.leftover_extras)
+        sidecars = [n for n in entry.files if EXTRAS_FILE.match(n)]
+        store.delete_many([store.join(entry.path, n) for n in entry.files if not EXTRAS_FILE.match(n)])
+        store.delete_many([store.join(entry.path, n) for n in sidecars])
         for upload in entry.uploads:
             store.abort(upload)
         return
@@ -407,9 +409,9 @@ def remove_entry(entry: Entry, store: Storage | None = None) -> None:
     # (data and extra files).
     named = manifest_names(store, entry.path) or set()
     store.delete(store.join(entry.path, MANIFEST))
-    for item in sorted(store.list(entry.path) or (), key=lambda i: i.name):
-        if item.name in named or TOKEN_FILE.match(item.name) or EXTRAS_FILE.match(item.name):
-            store.delete(store.join(entry.path, item.name))
+    store.delete_many([store.join(entry.path, item.name)
+                       for item in sorted(store.list(entry.path) or (), key=lambda i: i.name)
+                       if item.name in named or TOKEN_FILE.match(item.name) or EXTRAS_FILE.match(item.name)])
 
 
 def entry_nbytes(entry: Entry, store: Storage | None = None) -> int:
