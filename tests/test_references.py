@@ -71,7 +71,12 @@ def _resolves(ref: str) -> bool:
             if not rest:
                 return True
             names = _names(module)
-            return rest[0] in names and (len(rest) == 1 or ".".join(rest[:2]) in names or len(rest) > 2)
+            if rest[0] not in names:
+                return False
+            if len(rest) == 1 or len(rest) > 2:
+                return True
+            member = ".".join(rest)  # Class.member, the class defined here or imported here
+            return member in names or any(member in _names(m) for m in modules)
     return False
 
 

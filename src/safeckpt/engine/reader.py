@@ -185,7 +185,7 @@ class TensorReader:
         self._local: bool | None = None  # whether the files are local (read_into), known once one is open
         self.max_open = max_open_files()
         self._verified: set[tuple[str, int, int]] = set()  # chunks whose checksum matched
-        # Chunks another rank of this machine verifies (see _verify_split): read into fresh
+        # Chunks another rank of this machine verifies (see safeckpt.coord.verify_split): read into fresh
         # tensors without hashing; trust_idents or check_idents settles them before any use.
         self._deferred: set[tuple[str, int, int]] = set()
         self._tied = {r["alias_of"] for r in manifest["tensors"].values() if "alias_of" in r}
@@ -343,7 +343,7 @@ class TensorReader:
         self._check([kc for ident, kc in todo.items() if ident not in self._deferred])
 
     def defer(self, idents: Sequence[tuple[str, int, int]]) -> None:
-        """Leave the chunks ``idents`` to another rank of this machine (see ``_verify_split``):
+        """Leave the chunks ``idents`` to another rank of this machine (see ``safeckpt.coord.verify_split``):
         :meth:`check_many` skips them and reads into fresh tensors do not hash them, until
         :meth:`trust_idents` (every rank's check succeeded) or :meth:`check_idents`."""
         self._deferred.update(idents)
@@ -620,7 +620,7 @@ def open_manifest(ckpt_dir: str, store: Storage | None = None, *, full: bool = T
     """Read a committed checkpoint's manifest or raise CheckpointNotFound / CorruptCheckpoint.
 
     A format-3 manifest comes in format 2's shape, with every file's index read and checked
-    (``full``), or as stored (``full=False``: see ``_format3.Layout`` for reading parts)."""
+    (``full``), or as stored (``full=False``: see ``safeckpt.format.v3.Layout`` for reading parts)."""
     store = store or storage_for(ckpt_dir)
     man = store.read_manifest(ckpt_dir)
     if full and man.get("format_version") == FORMAT_V3:

@@ -18,7 +18,7 @@ from .manifest import seal_manifest
 
 
 def dumps(value: Any) -> str:
-    """``value`` as canonical manifest JSON (the settings of ``_manifest._canonical``)."""
+    """``value`` as canonical manifest JSON (the settings of ``safeckpt.format.manifest._canonical``)."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
 
 

@@ -231,7 +231,7 @@ def stream_safetensors(
     descending element size (every tensor aligned), header padded to 8 bytes.
     ``written_upto(pos)`` is told after each piece how many bytes have been written.
     ``index(names, spans)`` (format 3): given the chunks' names and data-relative spans in file
-    order, an IndexTail (see ``_fileindex``) written as the file's last tensor once every
+    order, an IndexTail (see ``safeckpt.format.fileindex``) written as the file's last tensor once every
     chunk's checksum is known.
     """
     items = list(items)

@@ -192,7 +192,7 @@ def check_tree(tree: Any, what: str, tensors: dict[str, Any]) -> set[str]:
 
 # ------------------------------------------------------------------ format 3
 def check_manifest_v3(man: dict[str, Any], where: str, ckpt: str, *, file_ok: Any, dtype_size: Any) -> None:
-    """:func:`check_manifest` for format 3 (chunks in per-file indexes, see ``_format3``): every
+    """:func:`check_manifest` for format 3 (chunks in per-file indexes, see ``safeckpt.format.v3``): every
     field of the manifest itself; each file's index is checked against it when it is read."""
     _as_corrupt(_check_v3, man, where, ckpt, file_ok, dtype_size)
 

@@ -4,12 +4,12 @@ Everything that touches storage (save, load, the catalog, the writer lease, the 
 through :class:`Storage`; nothing else knows whether a path is a local directory or an object
 store. Backends, each one module:
 
-- ``_storage_posix.PosixStorage``  local and shared filesystems (and ``file://`` URLs): files
+- ``safeckpt.storage.posix.PosixStorage``  local and shared filesystems (and ``file://`` URLs): files
   written into a hidden staging directory, fsynced, published by one ``renameat2``; mmap reads.
-- ``_storage_fsspec.FsspecStorage``  any other fsspec URL: objects written in place under
+- ``safeckpt.storage.fsspec_store.FsspecStorage``  any other fsspec URL: objects written in place under
   per-save names, ``manifest.json`` written last as the commit point, ranged reads; every call
   bounded by the timeout, and the filesystem's errors turned into :class:`StorageError`.
-- ``_storage_s3.S3Storage``  ``s3://``: the fsspec backend plus parallel multipart uploads and
+- ``safeckpt.storage.s3.S3Storage``  ``s3://``: the fsspec backend plus parallel multipart uploads and
   the listing and aborting of multipart uploads that killed writers left behind.
 
 A new backend is one module with a :class:`Storage` subclass, registered for its URL scheme
@@ -113,7 +113,7 @@ class Storage(ABC):
     @abstractmethod
     def read_manifest(self, ckpt: str) -> dict[str, Any]:
         """The validated manifest of the checkpoint at ``ckpt`` (read through
-        ``_manifest.parse_manifest``); CheckpointNotFound when it has none."""
+        ``safeckpt.format.manifest.parse_manifest``); CheckpointNotFound when it has none."""
 
     @abstractmethod
     def open(self, path: str, size: int, ckpt: str, likely: Sequence[tuple[int, int]] = ()) -> Any:
