@@ -91,7 +91,7 @@ class SaveRequest:
     extra_files: Mapping[str, bytes] = field(default_factory=dict)
     write_files: WriteFiles | None = None
     frozen: str = "full"
-    named: NamedLayout | None = None
+    named: NamedLayout | Mapping[str, Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         if self.check_replicas not in CHECK_REPLICAS:
@@ -105,6 +105,8 @@ class SaveRequest:
                 raise TypeError(f"extra_files[{name!r}] must be bytes, got {type(data).__name__}")
             extra[safe_extra_name(name)] = bytes(data)
         object.__setattr__(self, "extra_files", extra)
+        if isinstance(self.named, Mapping):  # {file: {name in file: key}}, metadata {"format": "pt"}
+            object.__setattr__(self, "named", NamedLayout(files=self.named) if self.named else None)
         if self.named is not None:
             if not isinstance(self.named, NamedLayout):
                 raise TypeError(f"named must be a NamedLayout, got {type(self.named).__name__}")

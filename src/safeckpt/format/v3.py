@@ -160,6 +160,8 @@ class Layout:
             # of its own (trees are kept where they differ from rank 0's), so its bound stays
             # exact.
             return MAX_INDEX
+        if rank >= int(self.man["world_size"]):  # a named file's index: a JSON string (quotes escaped)
+            n = 2 * n + 2
         return n
 
     def _check_index(self, name: str, rec: dict[str, Any], idx: dict[str, Any]) -> None:

@@ -52,6 +52,7 @@ from ..errors import (
 )
 from ._hf import common
 from ._hf import deepspeed as ds
+from ._hf.layout import tensors_layout
 
 FORMAT = "safeckpt.accelerate/1"
 
@@ -179,6 +180,27 @@ def _manager(acc: Accelerator, timeout: float | None) -> CheckpointManager:
 
 
 
+def model_files(acc: Accelerator, state: dict[str, Any]) -> dict[str, dict[str, str]] | None:
+    """The models as stock ``save_state`` writes them (``model.safetensors``, ``model_1.safetensors``,
+    ...: ``get_state_dict(model, unwrap=False)`` without tied duplicates), laid out as named files
+    of the commit, so those files are there and the weights are written once. None where a model
+    is sharded (FSDP2) or under DeepSpeed (the model is not in ``state``): safeckpt's own files."""
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+
+    files: dict[str, dict[str, str]] = {}
+    for i, model in enumerate(acc._models):
+        entry = f"model_{i}"
+        if entry not in state or common.is_sharded(model):
+            return None
+        sd = clean_state_dict_for_safetensors(dict(acc.get_state_dict(model, unwrap=False)))
+        names, _ = tensors_layout(model, entry, sd)
+        if names is None:
+            return None
+        if names:
+            files["model.safetensors" if i == 0 else f"model_{i}.safetensors"] = names
+    return files or None
+
+
 def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = None, *,
                timeout: float | None = None, engine_kwargs: dict[str, Any] | None = None) -> str:
     """``acc.save_state`` through safeckpt (collective); returns the checkpoint's path.
@@ -193,6 +215,7 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
     engines = _engines(acc)
     hook = ds.engines_files(engines, **(engine_kwargs or {})) if engines else None
     extra = _save_hooks(acc)
+    named = model_files(acc, state)
     cfg = acc.project_configuration
     if cfg.automatic_checkpoint_naming:
         mgr = _manager(acc, timeout)
@@ -203,14 +226,14 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
                 f"{path} (save iteration {step}) exists already: call load_state() first to "
                 "continue this project, or set project_configuration.iteration."
             )
-        info = mgr.save(step, state, extra_files=extra, write_files=hook)
+        info = mgr.save(step, state, extra_files=extra, write_files=hook, named=named)
         path = info.path if info is not None else path
     else:
         if output_dir is None:
             raise CheckpointError("save_state: no output_dir given and automatic checkpoint "
                                   "naming is disabled")
         path = common.save_checkpoint(os.fspath(output_dir), state, timeout=timeout,
-                                      extra_files=extra, write_files=hook).path
+                                      extra_files=extra, write_files=hook, named=named).path
     cfg.iteration += 1
     return path
 

@@ -54,10 +54,12 @@ from ..errors import (
 )
 from ._hf import common
 from ._hf import deepspeed as ds
+from ._hf.layout import pretrained_layout
 
 T = TypeVar("T", bound=type)
 
 STATE_FILE = "trainer_state.json"  # committed inside each checkpoint, as Trainer writes it
+TRAINING_ARGS = "training_args.bin"  # Trainer's pickled TrainingArguments: never written
 SIDE_PREFIX = "checkpoint-"        # where Trainer subclasses put their own files during a save
 MAX_SIDE_BYTES = 16 << 20
 FORMAT = "safeckpt.hf.trainer/1"
@@ -152,13 +154,21 @@ class SafeckptTrainerMixin(Trainer):
     (``"fingerprint"``: frozen parameters, e.g. a PEFT base model, are saved as checksums and
     verified on resume; ``"full"``: saved like the rest) and ``safeckpt_async`` (``True``: a save
     blocks training only while the state is copied aside; the checkpoint is written and
-    committed in the background, while the next steps train).
+    committed in the background, while the next steps train) and ``safeckpt_pretrained``
+    (``None``, the default: each ``checkpoint-N`` of a DDP or one-process model is also a
+    Hugging Face model directory, the weights written once as ``save_pretrained`` lays them out;
+    ``False``: the model in safeckpt's own files only; ``True``: required, an error where it
+    cannot be done); ``safeckpt_max_shard_size`` (``save_pretrained``'s ``max_shard_size`` for
+    those files, default its own, 50GB: past it ``model-0000k-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``, the shards spread over the ranks).
     """
 
     safeckpt_root: str | None = None
     safeckpt_timeout: float | None = None
     safeckpt_frozen: str = "fingerprint"
     safeckpt_async: bool = False
+    safeckpt_pretrained: bool | None = None
+    safeckpt_max_shard_size: int | str | None = None
     safeckpt_preempted: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -610,9 +620,62 @@ class SafeckptTrainerMixin(Trainer):
         extra[STATE_FILE] = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
                              + "\n").encode("utf-8")
         hook = ds.engine_files(self.model_wrapped, exclude_frozen=self._safeckpt_peft()) if ds.enabled(self) else None
-        info = mgr.save(step, state, metrics=metrics, extra_files=extra, write_files=hook)
+        named, small = self._safeckpt_pretrained_layout()
+        for name, data in small.items():  # config.json, generation_config.json, adapter_config.json, ...
+            if _EXTRA_OK.match(name) and name not in extra:
+                extra[name] = data
+        info = mgr.save(step, state, metrics=metrics, extra_files=extra, write_files=hook, named=named)
         if info is not None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
+
+    def _safeckpt_pretrained_layout(self) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes]]:
+        """The model's files as Trainer's ``_save`` (``save_pretrained``) lays them out, for this
+        save: ({file: {name in file: key}}, the small files beside them on rank 0), or (None, {})
+        where the checkpoint keeps the model in safeckpt's own files (DeepSpeed, FSDP2, opted out)."""
+        want = self.safeckpt_pretrained
+        if want is False or ds.enabled(self):
+            if want and ds.enabled(self):
+                raise CheckpointError("safeckpt_pretrained=True with DeepSpeed: the model lives in the "
+                                      "engine's own checkpoint; export it with trainer.save_model()")
+            return None, {}
+        model = self._safeckpt_model()
+        if common.is_sharded(model):
+            if want:
+                raise CheckpointError(
+                    "safeckpt_pretrained=True with an FSDP2-sharded model: a Hugging Face model directory "
+                    "needs the full tensors, which safeckpt does not gather inside a checkpoint. Export "
+                    "with trainer.save_model() (written from the shards, never gathered on one rank).")
+            return None, {}
+        small: dict[str, bytes] = {}
+
+        def write(d: str) -> None:  # Trainer's _save, with save_pretrained's shard size where set
+            inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            if self.safeckpt_max_shard_size is None or not hasattr(inner, "save_pretrained"):
+                self._save(d)
+                return
+            inner.save_pretrained(d, max_shard_size=self.safeckpt_max_shard_size)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(d)
+
+        def on_rank0() -> dict[str, Any]:
+            # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md),
+            # rewritten at every save and no part of what from_pretrained reads.
+            files, files_small, why = pretrained_layout(model, "model", write, skip=(TRAINING_ARGS, "README.md"))
+            small.update(files_small)
+            return {"files": files, "why": why}
+
+        out = common.share_from_rank0(on_rank0)
+        if out["files"] is None:
+            if want:
+                raise CheckpointError(f"safeckpt_pretrained=True but this model's checkpoint cannot be a Hugging "
+                                      f"Face model directory: {out['why']}")
+            if not getattr(self, "_safeckpt_warned_layout", False):
+                self._safeckpt_warned_layout = True
+                warnings.warn(f"checkpoints hold the model in safeckpt's own files, not as model.safetensors "
+                              f"({out['why']}); export with trainer.save_model() for from_pretrained",
+                              SafeckptWarning, stacklevel=3)
+            return None, {}
+        return out["files"], small
 
     def _safeckpt_eval_metric(self, name: str | None, step: int) -> float | None:
         if not name:
@@ -659,8 +722,12 @@ class SafeckptTrainerMixin(Trainer):
 
 
 def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | None = None,
-                  async_save: bool | None = None) -> T:
+                  async_save: bool | None = None, pretrained: bool | None = None,
+                  max_shard_size: int | str | None = None) -> T:
     """``trainer_cls`` (Trainer, SFTTrainer, any Trainer subclass) with safeckpt checkpoints.
+
+    ``pretrained``, ``max_shard_size``: see ``SafeckptTrainerMixin.safeckpt_pretrained`` (default:
+    every ``checkpoint-N`` of a DDP or one-process model is also a ``from_pretrained`` directory).
 
     ``async_save=True``: each save blocks training only while the state is copied aside; it is
     written and committed in the background (the next save, ``load_best_model_at_end`` and the
@@ -672,7 +739,8 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise TypeError(f"with_safeckpt needs a transformers.Trainer subclass, got {trainer_cls!r}")
-    if issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None and async_save is None:
+    if (issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None and async_save is None
+            and pretrained is None and max_shard_size is None):
         return trainer_cls
 
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
@@ -696,6 +764,10 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
         ns["safeckpt_timeout"] = timeout
     if async_save is not None:
         ns["safeckpt_async"] = bool(async_save)
+    if pretrained is not None:
+        ns["safeckpt_pretrained"] = bool(pretrained)
+    if max_shard_size is not None:
+        ns["safeckpt_max_shard_size"] = max_shard_size
     if issubclass(trainer_cls, SafeckptTrainerMixin):
         bases: tuple[type, ...] = (trainer_cls,)
     elif trainer_cls is Trainer:

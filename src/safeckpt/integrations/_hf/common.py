@@ -260,14 +260,14 @@ def read_json_entries(path: str, names: Sequence[str], *, timeout: float | None,
 
 def save_checkpoint(path: str, state: Mapping[str, Any], *, timeout: float | None = None,
                     frozen: str = "fingerprint", extra_files: Mapping[str, bytes] | None = None,
-                    write_files: Any = None) -> Any:
+                    write_files: Any = None, named: Any = None) -> Any:
     """``safeckpt.save(overwrite=True)`` with frozen parameters as fingerprints (collective);
     ``extra_files`` (rank 0's) and the files ``write_files`` makes every rank write (a
     DeepSpeed engine's) are committed inside the checkpoint (as ``CheckpointManager.save``)."""
     from ... import save
 
     return save(path, state, overwrite=True, timeout=timeout, frozen=frozen, extra_files=extra_files,
-                write_files=write_files)
+                write_files=write_files, named=named)
 
 
 def overrides_load_state_dict(model: Any) -> bool:

@@ -1,0 +1,158 @@
+"""A checkpoint that is also a Hugging Face model directory (issue 30).
+
+``save_pretrained`` decides what a model directory holds: which tensors (tied weights once,
+``_keys_to_ignore_on_save`` left out, PEFT adapters only, renamed as PEFT and weight
+conversions rename them), in which files (``model.safetensors``, or shards named
+``model-0000k-of-0000n.safetensors`` past ``max_shard_size`` with ``model.safetensors.index.json``),
+and the small files beside them (``config.json``, ``generation_config.json``,
+``adapter_config.json``, a README). :func:`pretrained_layout` runs that very ``save_pretrained``
+on rank 0 into a scratch directory with its safetensors writer replaced by a recorder: the small
+files it writes are kept as bytes, and each tensor it would have written is matched (by memory:
+the same storage, offset, shape and strides) to the key under which safeckpt saves it. The result
+is a named layout for the core save (``{file: {name in file: key}}``): the model's bytes are
+written once, into those files, inside the one atomic commit.
+
+When a tensor ``save_pretrained`` would write is not one of the model's own (a conversion built
+a new one), the layout is not used (None, with the reason): the checkpoint then holds the model
+in safeckpt's own files, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ...format.tree import escape_key, unwrap_module
+
+MAX_SMALL_FILE = 64 << 20  # a file save_pretrained writes beside the weights, taken into the commit
+
+
+def _ident(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+            t.device.type)
+
+
+@contextlib.contextmanager
+def _recording(calls: list[tuple[str, dict[str, torch.Tensor], dict[str, str] | None]]) -> Iterator[None]:
+    """Replace the safetensors writers of transformers and PEFT by a recorder."""
+    import transformers.modeling_utils as mu
+
+    def record(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None:
+        calls.append((os.fspath(filename), dict(tensors), metadata))
+
+    targets: list[tuple[Any, str]] = [(mu, "safe_save_file")]
+    try:
+        import peft.peft_model as pm
+
+        targets.append((pm, "safe_save_file"))
+    except ImportError:  # pragma: no cover - PEFT is optional
+        pass
+    try:
+        import transformers.trainer as tr
+
+        if hasattr(tr, "safetensors"):
+            targets.append((tr.safetensors.torch, "save_file"))
+    except ImportError:  # pragma: no cover
+        pass
+    saved = [(obj, name, getattr(obj, name)) for obj, name in targets]
+    try:
+        for obj, name, _ in saved:
+            setattr(obj, name, record)
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No 'Writing model shards' progress bar from the recorded save_pretrained."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def pretrained_layout(model: Any, entry: str, write: Callable[[str], None], skip: tuple[str, ...] = ()
+                      ) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes], str]:
+    """Run ``write(scratch_dir)`` (a ``save_pretrained`` of ``model``) with its safetensors
+    writes recorded: (``{file: {name in file: key}}`` or None, the other files it wrote, why the
+    layout is None). ``entry``: the state entry the model is saved under; ``skip``: files it
+    writes that are left out (Trainer's pickled ``training_args.bin``). Rank 0 only."""
+    sd = unwrap_module(model).state_dict()
+    by_ident: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if isinstance(t, torch.Tensor):
+            by_ident.setdefault(_ident(t), f"{escape_key(entry)}/{escape_key(name)}")
+    calls: list[tuple[str, dict[str, torch.Tensor], dict[str, str] | None]] = []
+    tmp = tempfile.mkdtemp(prefix="safeckpt-hf-layout-")
+    try:
+        with _recording(calls), _quiet():
+            write(tmp)
+        small: dict[str, bytes] = {}
+        for dirpath, _, names in os.walk(tmp):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                rel = os.path.relpath(p, tmp)
+                if rel in skip:
+                    continue
+                if os.sep in rel:
+                    return None, {}, f"save_pretrained wrote {rel} in a subdirectory"
+                if os.path.getsize(p) > MAX_SMALL_FILE:
+                    return None, {}, f"save_pretrained wrote {rel} of more than 64 MiB beside the weights"
+                with open(p, "rb") as f:
+                    small[rel] = f.read()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    files: dict[str, dict[str, str]] = {}
+    used: set[str] = set()
+    for filename, tensors, metadata in calls:
+        fname = os.path.relpath(filename, tmp)
+        if os.sep in fname or not fname.endswith(".safetensors"):
+            return None, {}, f"save_pretrained wrote {fname}"
+        if (metadata or {}) != {"format": "pt"}:
+            return None, {}, f"save_pretrained wrote {fname} with metadata {metadata!r}"
+        names: dict[str, str] = {}
+        for name, t in tensors.items():
+            key = by_ident.get(_ident(t)) if isinstance(t, torch.Tensor) else None
+            if key is None:
+                return None, {}, f"{fname}: tensor {name!r} is not one of the model's own (converted or copied)"
+            if key in used:
+                return None, {}, f"{fname}: tensor {name!r} is written twice (tied weights)"
+            used.add(key)
+            names[name] = key
+        files[fname] = names
+    if not files:
+        return None, {}, "save_pretrained wrote no safetensors file"
+    return files, small, ""
+
+
+def tensors_layout(model: Any, entry: str, tensors: Mapping[str, Any]) -> tuple[dict[str, str] | None, str]:
+    """{name in the file: key} for a state dict ``tensors`` a framework would write for
+    ``model`` (Accelerate's ``get_state_dict`` after its tied-weight cleaning), each matched by
+    memory to the key safeckpt saves it under; (None, why) when one is not the model's own."""
+    sd = unwrap_module(model).state_dict()
+    by_ident: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if isinstance(t, torch.Tensor):
+            by_ident.setdefault(_ident(t), f"{escape_key(entry)}/{escape_key(name)}")
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for name, t in tensors.items():
+        key = by_ident.get(_ident(t)) if isinstance(t, torch.Tensor) else None
+        if key is None or key in used:
+            return None, f"tensor {name!r} is not one of the model's own tensors"
+        used.add(key)
+        out[name] = key
+    return out, ""

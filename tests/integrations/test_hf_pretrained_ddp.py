@@ -1,0 +1,88 @@
+"""Issue 30 on a real 2-rank DDP Trainer job (torchrun, gloo on 127.0.0.1, CPU, hard timeout).
+
+With ``max_shard_size`` small enough for several shards, ``checkpoint-N`` holds
+``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json`` exactly as
+``save_pretrained`` writes them, the shards written by both ranks (each rank its share, once),
+and ``AutoModelForCausalLM.from_pretrained(checkpoint-N)`` is the trained model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+
+import safeckpt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "hf_pretrained_ddp.py")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import hf_tiny as tiny  # noqa: E402
+
+LAUNCH_TIMEOUT = 240
+
+
+def _tensors(path: str) -> dict[str, tuple[str, list[int]]]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        hdr = json.loads(f.read(n))
+    return {k: (v["dtype"], v["shape"]) for k, v in hdr.items() if k != "__metadata__"}
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_ddp_checkpoint_is_a_sharded_model_directory_written_by_both_ranks(tmp_path) -> None:
+    from tests.helpers.dist_harness import free_port
+
+    out = str(tmp_path / "out")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), SCRIPT, out]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun job hung (> {LAUNCH_TIMEOUT}s):\n{log[-6000:]}")
+    assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = os.path.join(out, "checkpoint-4")
+    ref = os.path.join(out, "ref")
+    shards = sorted(n for n in os.listdir(ref) if n.endswith(".safetensors"))
+    assert len(shards) >= 3, shards  # several shards, so both ranks can take some
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("model-")) == shards
+    for n in shards:
+        assert _tensors(os.path.join(ckpt, n)) == _tensors(os.path.join(ref, n)), n
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as a, \
+            open(os.path.join(ref, "model.safetensors.index.json")) as b:
+        assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
+
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    assert man["world_size"] == 2
+    writers = {man["files"][n]["writer"] for n in shards}
+    assert writers == {0, 1}, writers  # each rank wrote its share of the shards
+    for n in ("rank-00000.safetensors", "rank-00001.safetensors"):  # and no model bytes besides
+        assert not any(k.startswith("model/") for k in _tensors(os.path.join(ckpt, n)))
+    assert safeckpt.verify(ckpt).ok
+
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = AutoModelForCausalLM.from_pretrained(ref)
+    sd = want.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
+    before = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-2"))
+    assert not all(torch.equal(before.state_dict()[k], sd[k]) for k in sd)  # it trained in between

@@ -1,0 +1,199 @@
+"""Issue 30: a Trainer checkpoint is also a Hugging Face model directory, the weights written once.
+
+One process, tiny Llama from a config (no downloads), CPU. Each ``checkpoint-N`` must hold the
+model as ``save_pretrained`` lays it out (the same tensor names, dtypes, shapes and tied-weight
+handling, nothing more), with ``config.json`` and ``generation_config.json``; those files are
+part of the commit (listed and checksummed in the manifest), the model's bytes are in them and
+nowhere else, ``from_pretrained`` and resume read them, and damage in them is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+
+# First: skips this module without transformers or accelerate, sets the offline environment.
+from tests.integrations.hf_testing import (
+    fresh_accelerate_state,  # noqa: F401 - autouse fixture
+    reset_accelerate_state,
+    tiny,
+    training_args,
+)
+
+# isort: split
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainingArguments
+
+import safeckpt
+from safeckpt.integrations.hf import with_safeckpt
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _model(tied: bool = True, seed: int = 0) -> LlamaForCausalLM:
+    cfg = tiny.config(0.0)
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _args(out: str, steps: int, **kw: object) -> TrainingArguments:
+    return training_args(out, max_steps=steps, logging_steps=1, seed=0, **kw)
+
+
+def _header(path: str) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def _tensors(path: str) -> dict[str, tuple[str, list[int]]]:
+    return {k: (v["dtype"], v["shape"]) for k, v in _header(path).items() if k != "__metadata__"}
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_checkpoint_is_save_pretrained_layout_loads_and_resumes(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer)(model=_model(), args=_args(out, 4), train_dataset=tiny.TokenData(16, 1))
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-4")
+    ref = str(tmp_path / "ref")
+    trainer.model.save_pretrained(ref)  # what stock Trainer's checkpoint holds for the model
+
+    # The files save_pretrained writes, with exactly its tensors (tied lm_head left out).
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= set(os.listdir(ckpt))
+    assert _tensors(os.path.join(ckpt, "model.safetensors")) == _tensors(os.path.join(ref, "model.safetensors"))
+    assert "lm_head.weight" not in _tensors(os.path.join(ckpt, "model.safetensors"))
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        assert f.metadata()["format"] == "pt"
+    with open(os.path.join(ckpt, "config.json")) as a, open(os.path.join(ref, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+
+    # Part of the commit: listed and checksummed; the weights are written once (not in rank files).
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    assert len(man["files"]["model.safetensors"]["xxh3_128"]) == 32
+    assert {"config.json", "generation_config.json"} <= set(man["extra"])
+    rank_files = [n for n in man["files"] if n.startswith("rank-")]
+    assert rank_files and not any(k.startswith("model/") for n in rank_files
+                                  for k in _tensors(os.path.join(ckpt, n)))
+    assert safeckpt.verify(ckpt).ok
+
+    # from_pretrained gives the trained model, tied as before.
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = trainer.model.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+    # Resume reads the weights back from model.safetensors (verified) and continues.
+    reset_accelerate_state()
+    again = with_safeckpt(Trainer)(model=_model(seed=5), args=_args(out, 6), train_dataset=tiny.TokenData(16, 1))
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 6
+
+    # A flipped byte in the model's weights: verify names the file, resume from it refuses.
+    _flip(os.path.join(ckpt, "model.safetensors"), os.path.getsize(os.path.join(ckpt, "model.safetensors")) - 5)
+    report = safeckpt.verify(ckpt)
+    assert not report.ok and any("model.safetensors" in p for p in report.problems), report.problems
+    reset_accelerate_state()
+    third = with_safeckpt(Trainer)(model=_model(), args=_args(out, 8), train_dataset=tiny.TokenData(16, 1))
+    with pytest.raises(safeckpt.CorruptCheckpoint):
+        third.train(resume_from_checkpoint=ckpt)
+
+
+def test_untied_model_and_sharded_layout_match_save_pretrained(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    cls = with_safeckpt(Trainer, max_shard_size="40KB")
+    trainer = cls(model=_model(tied=False), args=_args(out, 2), train_dataset=tiny.TokenData(8, 1))
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    ref = str(tmp_path / "ref")
+    trainer.model.save_pretrained(ref, max_shard_size="40KB")
+    shards = sorted(n for n in os.listdir(ref) if n.endswith(".safetensors"))
+    assert len(shards) > 2 and shards[0].startswith("model-00001-of-")  # the test means something
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("model-")) == shards
+    for n in shards:
+        assert _tensors(os.path.join(ckpt, n)) == _tensors(os.path.join(ref, n)), n
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as a, \
+            open(os.path.join(ref, "model.safetensors.index.json")) as b:
+        assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
+    assert "lm_head.weight" in json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    assert set(shards) <= set(man["files"]) and "model.safetensors.index.json" in man["extra"]
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = trainer.model.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    assert safeckpt.verify(ckpt).ok
+
+
+def test_opting_out_keeps_the_model_in_safeckpt_files(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer, pretrained=False)(model=_model(), args=_args(out, 2),
+                                                       train_dataset=tiny.TokenData(8, 1))
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    assert any(k.startswith("model/") for k in _tensors(os.path.join(ckpt, "rank-00000.safetensors")))
+
+
+def test_load_best_model_at_end_reads_the_best_checkpoint_directory(tmp_path) -> None:
+    scores = iter([1.0, 3.0, 2.0])
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer)(
+        model=_model(), args=_args(out, 6, eval_strategy="steps", eval_steps=2, save_total_limit=2,
+                                   metric_for_best_model="score", greater_is_better=True,
+                                   load_best_model_at_end=True),
+        train_dataset=tiny.TokenData(16, 1), eval_dataset=tiny.TokenData(2, 2),
+        compute_metrics=lambda _p: {"score": next(scores)},
+        preprocess_logits_for_metrics=lambda logits, labels: logits[..., :1])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and os.path.basename(best) == "checkpoint-4"
+    loaded = AutoModelForCausalLM.from_pretrained(best)
+    want = trainer.model.state_dict()  # the best model was loaded back at the end
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    final = AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-6"))
+    assert not all(torch.equal(final.state_dict()[k], want[k]) for k in want)  # a different step
+
+
+def test_peft_checkpoint_is_an_adapter_directory(tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    def lora():  # noqa: ANN202
+        return get_peft_model(_model(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             lora_dropout=0.0))
+
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer)(model=lora(), args=_args(out, 2, learning_rate=1e-2),
+                                     train_dataset=tiny.TokenData(8, 1))
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    ref = str(tmp_path / "ref")
+    trainer.model.save_pretrained(ref)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(ckpt))
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    assert _tensors(os.path.join(ckpt, "adapter_model.safetensors")) == \
+        _tensors(os.path.join(ref, "adapter_model.safetensors"))
+    loaded = PeftModel.from_pretrained(_model(tied=False), ckpt)
+    want = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    got = loaded.state_dict()
+    assert want and all(torch.equal(got[k], want[k]) for k in want)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in want.items() if "lora_B" in k)
+    assert peft.__version__ and safeckpt.verify(ckpt).ok
+    reset_accelerate_state()
+    again = with_safeckpt(Trainer)(model=lora(), args=_args(out, 4, learning_rate=1e-2),
+                                   train_dataset=tiny.TokenData(8, 1))
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 4
