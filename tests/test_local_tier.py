@@ -213,3 +213,39 @@ def test_quarantine_without_local_tier_hides_a_root_step(tmp_path):
             assert m.restore(st) == 1
         assert _same(st, _state(1, 0))
         assert m.restore(_state(0, 0), step=1) == 1
+
+
+def test_single_process_local_tier_budget_and_ls(tmp_path, capsys):
+    """One process (no process group): the local tier alone restores; keep_local and the byte
+    budget bound it; ``safeckpt ls`` shows root's quarantine marks and a local_dir's tier."""
+    import safeckpt
+    from safeckpt.cli import app as cli
+
+    root, local = tmp_path / "root", tmp_path / "local"
+    with safeckpt.CheckpointManager(root, local_dir=local, durable_every=2, keep_local=3, local_max_bytes=1,
+                                    preemption_signals=()) as m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s, 0))
+        m.wait()
+        run = local / os.listdir(local)[0]
+        # past the byte budget the oldest steps go first, never the newest
+        assert sorted(n for n in os.listdir(run) if n.startswith("step-")) == ["step-0000000003"]
+        m.local_max_bytes = None
+        for s in (4, 5):
+            m.save(s, _state(s, 0))
+        m.wait()
+        assert sorted(n for n in os.listdir(run) if n.startswith("step-")) == [
+            "step-0000000003", "step-0000000004", "step-0000000005"]
+        m.quarantine(4, "loss spike")
+        st = _state(0, 0)
+        assert m.restore(st) == 5 and _same(st, _state(5, 0))
+    # durable steps 2 and 4, and 5 drained at close
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [
+        "step-0000000002", "step-0000000004", "step-0000000005"]
+    assert cli.main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    line4 = next(ln for ln in out.splitlines() if ln.startswith("step-0000000004"))
+    assert "quarantined (loss spike)" in line4
+    assert cli.main(["ls", str(local)]) == 0
+    out = capsys.readouterr().out
+    assert f"(root {root})" in out and "all files here" in out

@@ -28,7 +28,7 @@ from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.gc_pause import paused_gc
 from .engine.load import load
-from .engine.local_tier import NodeDir, NodeTierStorage, tier_url
+from .engine.local_tier import ROOT_QUARANTINE, NodeDir, NodeTierStorage, tier_url
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
@@ -53,7 +53,6 @@ from .storage.catalog import (
 )
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-QUARANTINE_NAME = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (see quarantine)
 
 
 class CheckpointManager:
@@ -413,7 +412,7 @@ class CheckpointManager:
                                               f"{exc}); restoring from the node-local tier only"]}
 
     def _root_quarantine(self) -> dict[str, str]:
-        raw = self._store.read(join(self.root, QUARANTINE_NAME), 1 << 20)
+        raw = self._store.read(join(self.root, ROOT_QUARANTINE), 1 << 20)
         if not raw:
             return {}
         try:
@@ -491,7 +490,7 @@ class CheckpointManager:
                 if self._store.renames:  # a filesystem root that no save has created yet
                     os.makedirs(self.root, exist_ok=True)
                 cur = self._root_quarantine()
-                self._store.put(join(self.root, QUARANTINE_NAME),
+                self._store.put(join(self.root, ROOT_QUARANTINE),
                                 json.dumps({**cur, **mark}, sort_keys=True).encode())
             except Exception as exc:  # noqa: BLE001 - the local marks still hide it
                 if tier is None:

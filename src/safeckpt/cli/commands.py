@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import uuid
 from collections.abc import Callable
@@ -14,9 +15,12 @@ from typing import Any
 
 from .. import _humanize as human
 from ..coord.lease import break_lease, holder_is_live, read_lock, writer_lease
+from ..engine.local_tier import ROOT_QUARANTINE
+from ..engine.local_tier import describe as describe_local_tier
 from ..engine.offline import VerifyReport, verify
 from ..engine.reader import open_manifest
 from ..errors import (
+    CheckpointError,
     CheckpointLocked,
     CorruptCheckpoint,
 )
@@ -93,8 +97,47 @@ def _unmanaged(root: str, known: set[str]) -> list[Entry]:
     return unmanaged(root, known)
 
 
+def _quarantine_marks(root: str) -> dict[str, str]:
+    """``mgr.quarantine``'s marks under ``root`` (step -> reason)."""
+    try:
+        raw = storage_for(root).read(join(root, ROOT_QUARANTINE), 1 << 20)
+        rec = json.loads(raw) if raw else {}
+    except (CheckpointError, OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
+
+
+def _ls_local_tier(runs: list[dict[str, Any]], args: argparse.Namespace, ui: UI) -> int:
+    """``safeckpt ls LOCAL_DIR``: what this node holds of each run (see engine.local_tier)."""
+    if args.json:
+        ui.json({"local_tier": runs})
+        return 0
+    for i, run in enumerate(runs):
+        if i:
+            ui.echo("")
+        ui.echo(f"local tier {run['run']} (root {run['root']})")
+        if not run["steps"]:
+            ui.echo("  no steps")
+            continue
+        ui.table(
+            ["STEP", "NODE", "FILES", "OWN", "REPLICAS", "STATUS"],
+            [[str(s["step"]), str(s["node"] or "-"), f"{s['files']}/{s['of'] if s['of'] is not None else '?'}",
+              str(len(s["own"])), str(len(s["replicas"])),
+              f"quarantined ({s['quarantined']})" if s["quarantined"] else
+              ("all files here" if s["of"] is not None and s["files"] == s["of"] else "partial (rest on peers/root)")]
+             for s in run["steps"]],
+            right={0, 2, 3, 4},
+        )
+    return 0
+
+
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     root = _root(args.root)
+    if not is_remote(root):
+        runs = describe_local_tier(root)
+        if runs is not None:
+            return _ls_local_tier(runs, args, ui)
+    marks = _quarantine_marks(root)
     entries = scan(root)
     managed = {e.name for e in entries}
     extra = _unmanaged(root, managed)
@@ -131,10 +174,13 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
             row["nbytes"] = _entry_size(e)
         if e.status in ("staging", "trash"):
             row["status"] = f"{e.status} ({'live writer' if live else 'leftover'})"
+        if e.step is not None and str(e.step) in marks:
+            row["status"] = f"{row['status']}, quarantined ({marks[str(e.step)]})"
+            row["quarantined"] = marks[str(e.step)]
         rows.append(row)
 
     if args.json:
-        ui.json({"root": root, "lease": lease, "entries": rows})
+        ui.json({"root": root, "lease": lease, "entries": rows, "quarantine": marks})
         return 0
     if not rows:
         hint = " (it is a checkpoint itself: try `safeckpt inspect`)" if _has_manifest(root) else ""

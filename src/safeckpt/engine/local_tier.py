@@ -45,6 +45,7 @@ from ..storage.posix import PosixStorage, digest_file, write_bytes_atomic
 SCHEME = "safeckpt-tier"
 TIER_FILE = "tier.json"
 QUARANTINE_FILE = "quarantine.json"
+ROOT_QUARANTINE = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (mgr.quarantine)
 TIER_FORMAT = "safeckpt-local-tier"
 _BASES: dict[str, str] = {}  # tag -> this process's node directory of that run
 
@@ -311,6 +312,46 @@ class NodeDir:
                 except OSError:
                     pass
         return total
+
+
+def describe(path: str) -> list[dict[str, Any]] | None:
+    """For ``safeckpt ls``: the runs of a ``local_dir`` (or one run directory) with, per step,
+    the files this node holds (own and replicas) and the quarantine marks; None when ``path``
+    holds no local tier."""
+    def run_of(d: str) -> dict[str, Any] | None:
+        try:
+            with open(os.path.join(d, TIER_FILE), "rb") as f:
+                rec = json.loads(f.read(1 << 16))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(rec, dict) or rec.get("format") != TIER_FORMAT:
+            return None
+        nd = NodeDir.__new__(NodeDir)
+        nd.base, nd.root = d, str(rec.get("root"))
+        marks = nd.quarantined()
+        steps = []
+        for s in nd.steps():
+            got = nd.step_record(s)
+            try:
+                with open(os.path.join(nd.step_dir(s), TIER_FILE), "rb") as f:
+                    held = json.loads(f.read(1 << 20))
+            except (OSError, ValueError):
+                held = {}
+            steps.append({"step": s, "files": len(got["files"]) if got else 0,
+                          "of": len(got["all"]) if got else None, "own": held.get("own", []),
+                          "replicas": held.get("replicas", []), "node": held.get("node"),
+                          "quarantined": marks.get(str(s))})
+        return {"run": d, "root": rec.get("root"), "steps": steps, "quarantine": marks}
+
+    one = run_of(path)
+    if one is not None:
+        return [one]
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    runs = [r for n in names if n.startswith("run-") and (r := run_of(os.path.join(path, n))) is not None]
+    return runs or None
 
 
 # ---------------------------------------------------------------------- placement

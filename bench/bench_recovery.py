@@ -1,0 +1,202 @@
+"""Fast recovery: the node-local tier (``CheckpointManager(local_dir=..., replicas=1)``) vs root.
+
+One run, N simulated nodes of one rank each (``GROUP_RANK`` per process, gloo on 127.0.0.1),
+a state of ``--params`` float32 parameters (replicated, as DDP's: its bytes are spread over the
+ranks' files) plus a per-rank tensor. Every local directory lives under ``--local`` (default
+/dev/shm: a RAM disk); ``root`` under ``--dir`` (a disk). Reported per rank 0, the slowest rank
+where it says so:
+
+- ``plain copy``: the time to copy the state's tensors into preallocated host buffers (what a
+  local save must at least block for); ``local save blocked``: ``mgr.save`` returning;
+  ``local save complete``: ``mgr.wait`` (file written, replicas sent, verified, published);
+- ``restore after node loss (local + peers)``: node N-1's directory wiped, root moved away (so
+  not a byte can be read from it), a fresh job restores the newest step;
+- ``restore from root (cold)``: no local data, root's files dropped from the page cache
+  (fsync + POSIX_FADV_DONTNEED) first;
+- ``plain read from local_dir``: reading every file of the step from node 0's directory;
+- ``train loop``: ``--loop-steps`` steps of an MLP of the same size on each rank (forward,
+  backward, SGD) with no checkpoint vs a local save at every step (the 2-core VM shares its
+  cores between training and the background save: the overhead shows that competition).
+
+    python bench/bench_recovery.py --params 12000000 --nodes 2 --dir /tmp/bench-rec
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import time
+from datetime import timedelta
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(params: int):
+    import torch
+    from torch import nn
+
+    width = 1024
+    depth = max(1, params // (width * width))
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+
+
+def _drop_cache(path: str) -> None:
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      GROUP_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    import safeckpt
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    model = _model(args.params)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = {"model": model, "mine": safeckpt.PerRank(torch.full((1024,), float(rank)))}
+    local = os.path.join(args.local, f"node{rank}")
+    root = os.path.join(args.dir, "root")
+    res: dict = {}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        took = time.perf_counter() - t
+        slowest = torch.tensor([took])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest)
+
+    if phase == "save":
+        tensors = [p.detach() for p in model.parameters()]
+        bufs = [torch.empty_like(t) for t in tensors]
+        res["plain copy"] = min(timed(lambda: [b.copy_(t) for b, t in zip(bufs, tensors, strict=True)])
+                                for _ in range(3))
+        mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
+                                         preemption_signals=())
+        blocked, complete = [], []
+        for step in range(1, 4):
+            blocked.append(timed(lambda step=step: mgr.save(step, state)))
+            complete.append(timed(mgr.wait))
+        res["local save blocked"] = min(blocked)
+        res["local save complete"] = min(complete)
+        mgr.close()  # drains step 3 to root
+        res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs)
+        # the training loop, without and with a local save at every step
+        x = torch.randn(64, 1024)
+
+        def loop(save: bool, mgr=None) -> None:
+            for i in range(args.loop_steps):
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+                if save:
+                    mgr.save(100 + i, state)
+            if save:
+                mgr.wait()
+
+        res["train loop, no checkpoint"] = timed(lambda: loop(False))
+        loop_root = os.path.join(args.dir, "loop-root")
+        m2 = safeckpt.CheckpointManager(loop_root, local_dir=os.path.join(args.local, f"loop{rank}"),
+                                        durable_every=None, replicas=1, preemption_signals=())
+        res["train loop, local save every step"] = timed(lambda: loop(True, m2))
+        m2._last = None  # the loop's steps are not drained to root
+        m2.close()
+    elif phase == "node-loss":
+        mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
+                                         preemption_signals=())
+        got: list = []
+        res["restore after node loss (local + peers)"] = timed(lambda: got.append(mgr.restore(state)))
+        res["restored step"] = got[0]
+        mgr._last = None
+        mgr.close()
+        files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs if f.startswith("rank-")]
+        _drop_cache(local) if args.local != "/dev/shm" else None
+        res["plain read from local_dir"] = timed(lambda: [open(f, "rb").read() for f in files])
+    elif phase == "root":
+        if rank == 0:
+            _drop_cache(root)
+        mgr = safeckpt.CheckpointManager(root, local_dir=os.path.join(args.local, f"fresh{rank}"),
+                                         durable_every=1000, preemption_signals=())
+        got = []
+        res["restore from root (cold)"] = timed(lambda: got.append(mgr.restore(state)))
+        res["restored step (root)"] = got[0]
+        mgr.close()
+    state.clear()
+    model = opt = None  # noqa: F841 - dropped before the group (NOTES.md section 5)
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+
+
+def _phase(args: argparse.Namespace, phase: str) -> dict:
+    ctx = mp.get_context("spawn")
+    out = os.path.join(args.dir, f"{phase}.json")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.nodes, port, args, phase, out)) for r in range(args.nodes)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(600)
+        if p.exitcode != 0:
+            raise SystemExit(f"{phase}: a rank exited with {p.exitcode}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=int, default=12_000_000)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--loop-steps", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp/bench-recovery")
+    ap.add_argument("--local", default="/dev/shm/bench-recovery")
+    args = ap.parse_args()
+    for d in (args.dir, args.local):
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+    res = _phase(args, "save")
+    # node N-1 lost, root moved away: nothing can be read from it
+    shutil.rmtree(os.path.join(args.local, f"node{args.nodes - 1}"))
+    root, aside = os.path.join(args.dir, "root"), os.path.join(args.dir, "root-aside")
+    os.rename(root, aside)
+    res.update(_phase(args, "node-loss"))
+    res["bytes read from root"] = 0 if not os.path.exists(root) else "root reappeared?"
+    os.rename(aside, root)
+    res.update(_phase(args, "root"))
+    shutil.rmtree(args.local, ignore_errors=True)
+    print(f"state: {args.params / 1e6:.0f}M float32 parameters ({res['bytes'] / 2**20:.0f} MiB per step), "
+          f"{args.nodes} nodes x 1 rank, replicas=1")
+    for k, v in res.items():
+        print(f"  {k:45s} {v:.3f} s" if isinstance(v, float) else f"  {k:45s} {v}")
+    r = res["restore after node loss (local + peers)"] / res["plain read from local_dir"]
+    print(f"  restore (local + peers) / plain read: {r:.2f}x; local save blocked / plain copy: "
+          f"{res['local save blocked'] / res['plain copy']:.2f}x; train loop overhead: "
+          f"{100 * (res['train loop, local save every step'] / res['train loop, no checkpoint'] - 1):.0f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
