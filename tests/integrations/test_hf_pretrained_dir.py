@@ -197,3 +197,23 @@ def test_peft_checkpoint_is_an_adapter_directory(tmp_path) -> None:
                                    train_dataset=tiny.TokenData(8, 1))
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step == 4
+
+
+def test_trl_sft_checkpoint_is_a_model_directory_with_its_tokenizer(tmp_path) -> None:
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    out = str(tmp_path / "out")
+    cfg = SFTConfig(output_dir=out, max_steps=2, save_steps=2, per_device_train_batch_size=2, report_to="none",
+                    use_cpu=True, disable_tqdm=True, logging_steps=1, max_length=16)
+    trainer = with_safeckpt(SFTTrainer)(model=tiny.model(dropout=0.0), args=cfg,
+                                        train_dataset=tiny.text_dataset(8, 1), processing_class=tiny.tokenizer())
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(ckpt))
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = trainer.model.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    assert len(AutoTokenizer.from_pretrained(ckpt)) == len(tiny.tokenizer())
+    assert safeckpt.verify(ckpt).ok
