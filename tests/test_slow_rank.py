@@ -103,3 +103,28 @@ def test_a_rank_slower_than_the_timeout_is_told_it_was_still_writing(tmp_path, r
     import safeckpt
 
     assert safeckpt.verify(str(root / "a")).ok
+
+
+def _late_to_the_call(rank, world, root):
+    import safeckpt
+
+    safeckpt.save(os.path.join(root, "a"), _state(), timeout=TIMEOUT)
+    if rank == 1:
+        time.sleep(TIMEOUT + 4)  # stuck in its own training code, not in safeckpt
+    res = dist_harness.attempt(lambda: safeckpt.save(os.path.join(root, "b"), _state(), timeout=TIMEOUT).path)
+    if rank == 0:
+        time.sleep(TIMEOUT + 5)  # keep the store up until rank 1 has seen its error
+    return res
+
+
+def test_a_rank_late_to_the_call_is_not_said_to_be_inside_it(tmp_path):
+    """Rank 1 busy in its own code between two saves (found by review): rank 0 must not say it
+    "was still preparing its state for the save", and rank 1, coming to the save after the
+    others gave up on it, must say so, not "every rank reached this phase"."""
+    outs = dist_harness.run(_late_to_the_call, 2, str(tmp_path), timeout=120)
+    r0, r1 = (o.value for o in outs)
+    assert not r0["ok"] and not r1["ok"]
+    assert "was still preparing its state" not in r0["msg"], r0["msg"]
+    assert "rank(s) 1 (of 2)" in r0["msg"], r0["msg"]
+    assert "this rank (1) came to phase 'agree' after the other ranks had given up" in r1["msg"], r1["msg"]
+    assert "Every rank reached this phase" not in r1["msg"], r1["msg"]

@@ -276,6 +276,11 @@ def _gist(line: str) -> str:
     return f"{kind}: {head[:200]}" if head else kind
 
 
+# The first exchange of a collective call: a rank that finished the exchange before it may still
+# be outside safeckpt (in its training code, not yet in this call), not only in its own part.
+_FIRST_PHASES = frozenset({"agree", "pick", "check", "preempted"})
+
+
 def _doing(phase: str) -> str:
     return _DOING.get(phase, f"working on phase {phase!r}")
 
@@ -618,6 +623,17 @@ class Coordinator:
             # This rank came late: its own part of the phase took longer than the others wait,
             # they gave up and closed the group just before it arrived.
             text, failures = self._late_text(state, phase, local, seen, tail)
+        elif (local is not None and not gone and not missing and state.seq == local["seq"]
+              and (gave_up or closed) and phase in _FIRST_PHASES and elapsed < max(1.0, self.timeout / 2)):
+            # This rank's own part was quick, but it came to the call after the others had given
+            # up on it: the time went outside safeckpt, before the call.
+            text = (
+                f"{self.what} failed: this rank ({self.rank}) came to phase {phase!r} after the other "
+                f"ranks had given up waiting for it ({_gist(seen)}): it reached this call more than the "
+                f"{self.timeout:g}s timeout after they did (its own code between calls was slow or "
+                f"stuck, or the ranks run different numbers of steps). {tail}"
+            )
+            failures = {self.rank: f"came to {phase!r} more than the {self.timeout:g}s timeout late"}
         elif gone:
             before = [r for r in gone if r in missing]
             when = ("at or before" if store_error
@@ -634,7 +650,16 @@ class Coordinator:
             working = local is not None and all(state.behind.get(r) == local["seq"] - 1 for r in missing)
             if all(r in alive for r in missing):
                 states = sorted({process_state(state.peers[r]) or "alive" for r in missing})
-                if working and gave_up:
+                if working and gave_up and phase in _FIRST_PHASES:
+                    text = (
+                        f"{self.what} failed: rank(s) {_ranks(missing)} (of {n}) had not finished its "
+                        f"part of phase {phase!r} when the ranks waiting for it gave up after the "
+                        f"{self.timeout:g}s timeout (seen here: {seen}; its process is alive: "
+                        f"{', '.join(states)}): it was still {doing}, or it had not reached this call "
+                        "yet (busy or hung in its own code: a slow or stuck training step, data "
+                        f"loading, a different number of steps per rank). Check that rank's log. {tail}"
+                    )
+                elif working and gave_up:
                     text = (
                         f"{self.what} failed: rank(s) {_ranks(missing)} (of {n}) was still {doing} "
                         f"(its own part of phase {phase!r}; its process is alive: {', '.join(states)}) "
