@@ -66,6 +66,20 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, per_node:
                 warnings.simplefilter("always")
                 mgr.wait()
             out["warnings"] += [str(w.message) for w in caught]
+        elif op[0] == "die-in-replicate":  # node 2's ranks are killed while step op[1] replicates
+            import time
+
+            import safeckpt.engine.tier as tier
+
+            if node == 2:
+                tier.send_recv = lambda *a, **k: os._exit(9)
+            mgr.save(op[1], _state(op[1], rank))
+            t = time.monotonic()
+            try:
+                mgr.wait()
+                out["errors"].append(None)
+            except safeckpt.CheckpointError as exc:
+                out["errors"].append([type(exc).__name__, str(exc), time.monotonic() - t])
         elif op[0] == "corrupt-replica" and rank == 0:  # the next replica rank 0 sends is damaged on the way
             import safeckpt.engine.tier as tier
 
@@ -103,10 +117,13 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, per_node:
     return out
 
 
-def _run(plan: list, root, nodes_dir, world: int = WORLD, per_node: int = PER_NODE) -> list[dict]:
+def _run(plan: list, root, nodes_dir, world: int = WORLD, per_node: int = PER_NODE, dead: tuple = ()) -> list:
     outs = dist_harness.run(_job, world, str(root), str(nodes_dir), plan, per_node, timeout=150)
     for o in outs:
-        assert o.ok, (o.rank, o.error_type, o.message)
+        if o.rank in dead:
+            assert not o.ok and o.exitcode == 9, (o.rank, o.exitcode, o.error_type, o.message)
+        else:
+            assert o.ok, (o.rank, o.error_type, o.message)
     return [o.value for o in outs]
 
 
@@ -122,13 +139,18 @@ def _step_dir(nodes_dir, node: int, step: int, root=None) -> str:
 
 def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourced(tmp_path):
     root, nodes = tmp_path / "root", tmp_path / "nodes"
-    # Job 1: step 10 durable (root), steps 11 and 12 on the local tier only; then it dies.
-    _run([("save", 10), ("save", 11), ("save", 12)], root, nodes)
+    # Job 1: step 10 durable (root), steps 11 and 12 on the local tier only; then node 2's
+    # ranks are killed while step 13 replicates: every other rank raises, well within timeout.
+    outs = _run([("save", 10), ("save", 11), ("save", 12), ("die-in-replicate", 13)], root, nodes, dead=(4, 5))
+    for o in outs[:4]:
+        kind, text, took = o["errors"][0]
+        assert kind == "RankFailure" and "replicate" in text and took < 20, o["errors"]
     assert sorted(os.listdir(root)) == ["step-0000000010"]
     assert not list(Path.cwd().glob(f"{SCHEME}*"))  # the tier URL never lands as a relative path
-    for n in range(NODES):  # keep_local=2: the newest two steps, no leftovers of the saves
+    for n in range(NODES):  # keep_local=2: the newest two steps; 13 never published on any node
         base = os.path.dirname(_step_dir(nodes, n, 12))
-        assert sorted(os.listdir(base)) == ["step-0000000011", "step-0000000012", "tier.json"]
+        assert [x for x in sorted(os.listdir(base)) if not x.startswith(".partial-step-0000000013-")] == [
+            "step-0000000011", "step-0000000012", "tier.json"]
     for n in range(NODES):  # each node: its own 2 files + the 2 replicas of the previous node's
         rec = json.loads(open(os.path.join(_step_dir(nodes, n, 12), "tier.json")).read())
         prev = (n - 1) % NODES
@@ -142,7 +164,7 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     data = bytearray(open(bad, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(bad, "wb").write(bytes(data))
-    outs = _run([("restore", 12)], root, nodes)
+    outs = _run([("restore", 12)], root, nodes)  # 12, never a torn 13
     for o in outs:
         assert o["restored"] == [[12, True]], o
     for o in outs:  # said on every rank, about that file alone
@@ -249,3 +271,48 @@ def test_single_process_local_tier_budget_and_ls(tmp_path, capsys):
     assert cli.main(["ls", str(local)]) == 0
     out = capsys.readouterr().out
     assert f"(root {root})" in out and "all files here" in out
+
+
+def test_a_full_local_disk_or_an_unreachable_root_degrade_with_a_warning(tmp_path, monkeypatch):
+    """ENOSPC on the local tier: that step is not local (a warning), its drain to root still
+    happens; root unreachable at a durable step: the step stays local (a warning) and close()
+    drains it once root is back. Training never sees an exception."""
+    import errno
+
+    import safeckpt
+    import safeckpt.engine.tier as tier
+    from safeckpt.errors import StorageError
+
+    root, local = tmp_path / "root", tmp_path / "local"
+    m = safeckpt.CheckpointManager(root, local_dir=local, durable_every=2, preemption_signals=())
+    plain_write, plain_begin = tier.write_local, tier._commit.begin
+
+    def full(job, staging):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier, "write_local", full)
+    m.save(2, _state(2, 0))
+    with pytest.warns(safeckpt.SafeckptWarning, match="step 2 is not on the local tier.*No space left"):
+        m.wait()
+    run = local / os.listdir(local)[0]
+    assert not [n for n in os.listdir(run) if n.startswith(("step-", ".partial"))]
+    assert [n for n in os.listdir(root) if n.startswith("step-")] == ["step-0000000002"]
+    monkeypatch.setattr(tier, "write_local", plain_write)
+
+    def unreachable(store, target, overwrite):
+        if target.startswith(SCHEME):  # the local tier's own agreement
+            return plain_begin(store, target, overwrite)
+        raise StorageError(f"{target}: endpoint unreachable")
+
+    monkeypatch.setattr(tier._commit, "begin", unreachable)
+    m.save(4, _state(4, 0))
+    with pytest.warns(safeckpt.SafeckptWarning, match="step 4 was not committed under .*unreachable"):
+        m.wait()
+    assert [n for n in os.listdir(root) if n.startswith("step-")] == ["step-0000000002"]
+    assert os.path.isdir(run / "step-0000000004")
+    monkeypatch.setattr(tier._commit, "begin", plain_begin)
+    m.close()  # root is back: the newest step is drained from its staged bytes
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000000002", "step-0000000004"]
+    assert safeckpt.verify(str(root / "step-0000000004")).ok
+    st = _state(0, 0)
+    assert safeckpt.load(str(root / "step-0000000004"), st) and _same(st, _state(4, 0))

@@ -40,6 +40,7 @@ from .errors import (
     CorruptCheckpoint,
     RankMismatch,
     SafeckptWarning,
+    StorageError,
 )
 from .format.manifest import MANIFEST, CheckpointInfo
 from .retention import RetentionPolicy
@@ -380,7 +381,14 @@ class CheckpointManager:
                               keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect)
             if not durable:
                 return _TierResult(None, done["warnings"])
-            info = self._drain(background, job, step)
+            try:
+                info = self._drain(background, job, step)
+            except StorageError as exc:  # root unreachable: the step is safe on the local tier
+                if done.get("skipped"):
+                    raise
+                return _TierResult(None, [*done["warnings"], f"step {step} was not committed under {self.root} "
+                                          f"({exc}); it is on the node-local tier, and the next durable "
+                                          "step (or close) tries root again"])
             last["durable"] = True
             return _TierResult(info, done["warnings"])
 

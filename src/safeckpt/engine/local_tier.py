@@ -277,7 +277,8 @@ class NodeDir:
         except OSError:
             return
         for name in names:
-            if name.startswith(".partial-") and (keep_token is None or keep_token not in name):
+            # a save's partial directory, or the (empty) staging place its agreement made
+            if name.startswith((".partial-", ".step-")) and (keep_token is None or keep_token not in name):
                 shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
 
     def retain(self, keep: int | None, max_bytes: int | None, protect: set[int]) -> list[int]:

@@ -28,8 +28,10 @@ has no valid copy is skipped by every rank together.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -77,14 +79,23 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                     f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
                     + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
                     + "; the step was not committed on any tier (the previous steps are intact)")
-        nd.ensure()
-        nd.sweep_partials(keep_token=token)
-        os.makedirs(part, exist_ok=True)
-        report = job._write({"token": token, "path": part})
+        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
+            with contextlib.suppress(OSError):
+                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place: not used
+        try:
+            nd.ensure()
+            nd.sweep_partials(keep_token=token)
+            os.makedirs(part, exist_ok=True)
+            report = write_local(job, {"token": token, "path": part})
+        except OSError as exc:  # ENOSPC, a RAM disk full: the tier degrades, training goes on
+            return {"node": nd.node, "failed": f"{type(exc).__name__}: {exc}"}
         report["node"] = nd.node
         return report
 
     def manifest(written: list[dict[str, Any]]) -> dict[str, Any]:
+        failed = [f"rank {r} on {w['node']}: {w['failed']}" for r, w in enumerate(written) if "failed" in w]
+        if failed:
+            return {"skip": failed}
         files: dict[str, Any] = {}
         for r, w in enumerate(written):
             files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r,
@@ -98,6 +109,11 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
 
     hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
     d = coord.decide("local-write", write, manifest, hint=hint)
+    if "skip" in d:
+        shutil.rmtree(part, ignore_errors=True)
+        return {"step": step, "skipped": True, "warnings": [
+            f"step {step} is not on the local tier: a node-local write failed ({'; '.join(d['skip'][:5])}); "
+            "training goes on, the previous local steps are intact"]}
     files, nodes = d["files"], d["nodes"]
     targets = {int(k): v for k, v in d["targets"].items()}
     me = coord.rank
@@ -143,14 +159,14 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
             own = [files[r][0] for r, n in enumerate(nodes) if n == nd.node]
             nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])))
             nd.retain(keep_local, max_bytes, protect | {step})
-        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
-            try:
-                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place
-            except OSError:
-                pass
 
     coord.decide("local-publish", publish, lambda _: None, hint=hint)
     return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in d2["warnings"]]}
+
+
+def write_local(job: Any, staging: dict[str, str]) -> dict[str, Any]:
+    """This rank's file of ``job`` (the bytes a save would write for it) into ``staging``."""
+    return job._write(staging)
 
 
 def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Callable[[], None],
