@@ -217,3 +217,26 @@ def test_trl_sft_checkpoint_is_a_model_directory_with_its_tokenizer(tmp_path) ->
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
     assert len(AutoTokenizer.from_pretrained(ckpt)) == len(tiny.tokenizer())
     assert safeckpt.verify(ckpt).ok
+
+
+def test_async_saves_and_frozen_parameters_keep_the_layout(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    model = _model(tied=False)
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: save_pretrained still writes it
+    trainer = with_safeckpt(Trainer, async_save=True)(model=model, args=_args(out, 4),
+                                                      train_dataset=tiny.TokenData(16, 1))
+    trainer.train()
+    ckpt = os.path.join(out, "checkpoint-4")
+    assert "model.embed_tokens.weight" in _tensors(os.path.join(ckpt, "model.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    want = trainer.model.state_dict()
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    assert safeckpt.verify(ckpt).ok
+    reset_accelerate_state()
+    again_model = _model(tied=False, seed=3)
+    again_model.model.embed_tokens.weight.requires_grad_(False)
+    again = with_safeckpt(Trainer, async_save=True)(model=again_model, args=_args(out, 6),
+                                                    train_dataset=tiny.TokenData(16, 1))
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 6
+    assert torch.equal(again.model.model.embed_tokens.weight, want["model.embed_tokens.weight"])

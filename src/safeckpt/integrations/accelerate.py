@@ -215,7 +215,8 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike[str] | None = Non
     engines = _engines(acc)
     hook = ds.engines_files(engines, **(engine_kwargs or {})) if engines else None
     extra = _save_hooks(acc)
-    named = model_files(acc, state)
+    remote = "://" in os.fspath(output_dir or "") or "://" in str(acc.project_dir)
+    named = None if remote else model_files(acc, state)  # named files need a filesystem directory
     cfg = acc.project_configuration
     if cfg.automatic_checkpoint_naming:
         mgr = _manager(acc, timeout)

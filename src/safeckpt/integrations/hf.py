@@ -633,6 +633,11 @@ class SafeckptTrainerMixin(Trainer):
         save: ({file: {name in file: key}}, the small files beside them on rank 0), or (None, {})
         where the checkpoint keeps the model in safeckpt's own files (DeepSpeed, FSDP2, opted out)."""
         want = self.safeckpt_pretrained
+        if "://" in str(self.safeckpt_root or self.args.output_dir):  # an object store: token names there
+            if want:
+                raise CheckpointError("safeckpt_pretrained=True with an object-store root: named files "
+                                      "need a filesystem checkpoint directory")
+            return None, {}
         if want is False or ds.enabled(self):
             if want and ds.enabled(self):
                 raise CheckpointError("safeckpt_pretrained=True with DeepSpeed: the model lives in the "
