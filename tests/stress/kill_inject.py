@@ -205,6 +205,12 @@ class Killer:
         # outside a phase at the same time (one save in flight; the next waits for it).
         self.armed = False
         self.call = 0  # which call of the patched phase (per save: which save) the kill hit
+        # --second-manager: the second manager's calls (its root beside this one) are neither
+        # counted nor killed, so a kill point's occurrence still names the main manager's save
+        self.ignore = self.root + "-second" if spec.get("second_manager") else ""
+
+    def ignored(self, text: Any) -> bool:
+        return bool(self.ignore) and self.ignore in str(text)
 
     def die(self) -> None:
         rec = {"t": time.time(), "point": self.point, "rank": self.rank, "method": self.method,
@@ -264,7 +270,7 @@ class Killer:
         occurrence = self.occurrence if POINTS[self.point][2] else 1
 
         def decide(coord: Any, name: str, local: Any, resolve: Any, **kwargs: Any) -> Any:
-            if name != phase:
+            if name != phase or killer.ignored(getattr(coord, "what", "")):
                 return real(coord, name, local, resolve, **kwargs)
             n = killer.phase_calls[name] = killer.phase_calls.get(name, 0) + 1
             killer.call = n
@@ -455,7 +461,7 @@ class Killer:
             path = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             return ""
-        return path if path.startswith(self.root) else ""
+        return path if path.startswith(self.root + os.sep) else ""
 
     def _patch_publish(self, before: bool) -> None:
         import safeckpt.storage.commit as commit_mod
@@ -464,7 +470,7 @@ class Killer:
         real = commit_mod.publish
 
         def publish(*args: Any, **kwargs: Any) -> Any:
-            if not killer.armed:
+            if not killer.armed or killer.ignored(args):
                 return real(*args, **kwargs)
             if before:
                 killer.die()
@@ -495,7 +501,7 @@ class Killer:
         real = manager_mod.CheckpointManager._retain
 
         def retain(mgr: Any, *args: Any, **kwargs: Any) -> Any:
-            if killer.armed:  # the checkpoint is published; retention has not deleted anything
+            if killer.armed and not killer.ignored(mgr.root):  # the checkpoint is published; retention has not deleted anything
                 killer.die()
             return real(mgr, *args, **kwargs)
 
@@ -509,7 +515,7 @@ class Killer:
 
         def remove_entry(*args: Any, **kwargs: Any) -> Any:
             out = real(*args, **kwargs)
-            if killer.armed:
+            if killer.armed and not killer.ignored(args):
                 killer.die()
             return out
 
@@ -587,6 +593,12 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
            trial_dir: str) -> None:
     """One rank of ``job`` ("seed", "crash" or "restart"); writes out-{job}-{rank}.json."""
     os.environ.update(OMP_NUM_THREADS="1", SAFECKPT_TIMEOUT=str(spec["timeout"]))
+    if spec.get("plain_torchrun"):
+        os.environ["TORCHELASTIC_RUN_ID"] = "none"
+    if spec.get("nofile"):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (spec["nofile"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import torch
     import torch.distributed as dist
 
@@ -603,6 +615,10 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
         keep = None if job == "seed" else spec["keep_last"]
         mgr = safeckpt.CheckpointManager(root, keep_last=keep, async_save=spec["mode"] == "async",
                                          timeout=spec["timeout"], preemption_signals=())
+        second = None
+        if spec.get("second_manager") and job != "seed":  # full state + a best-model manager
+            second = safeckpt.CheckpointManager(root + "-second", keep_last=1, async_save=True,
+                                                timeout=spec["timeout"], preemption_signals=())
         out["where"] = "restore"
         step = mgr.restore(state)
         out["restored"] = step
@@ -618,6 +634,8 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
             out["where"] = f"save {s}"
             set_step(state, s, rank)
             mgr.save(s, state)
+            if second is not None:
+                second.save(s, {"model": state["model"]})
             if spec["mode"] == "sync":
                 _committed(trial_dir, rank, s)
             elif i:  # an async save() first waits for the previous one, raising its error
@@ -629,6 +647,8 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
         _committed(trial_dir, rank, start + count)
         out["where"] = "close"
         mgr.close()
+        if second is not None:
+            second.close()
         out["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         out.update(t_err=time.time(), type=type(exc).__name__,

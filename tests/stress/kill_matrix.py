@@ -350,10 +350,14 @@ def context() -> Any:
 def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 10.0,
                worlds: Sequence[int] = (2, 3, 4), points: Sequence[str] | None = None,
                only: Sequence[int] | None = None, overwrite: bool = False,
+               environment: dict[str, Any] | None = None,
                **kwargs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run trials ``0..trials-1`` (or ``only``) of ``seed``; return (summary, per-trial results)."""
     indices = list(only) if only else list(range(trials))
-    specs = [sample(seed, i, timeout, worlds, points, overwrite) for i in indices]
+    # environment: where the jobs run (kill_inject.worker applies it): "nofile" (RLIMIT_NOFILE),
+    # "plain_torchrun" (TORCHELASTIC_RUN_ID=none: the lease tells jobs apart by a token),
+    # "second_manager" (a second async manager in each process, saving every step too)
+    specs = [{**sample(seed, i, timeout, worlds, points, overwrite), **(environment or {})} for i in indices]
     return run_specs(specs, seed=seed, timeout=timeout, slack=slack, **kwargs)
 
 
@@ -490,7 +494,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="the crash job's first save overwrites the restored step; draws "
                          "save/commit-mid-publish too (for a --workdir on NFS or a FUSE mount)")
+    ap.add_argument("--nofile", type=int, default=0, help="RLIMIT_NOFILE of the jobs (a low descriptor limit)")
+    ap.add_argument("--plain-torchrun", action="store_true",
+                    help="TORCHELASTIC_RUN_ID=none in the jobs, as plain torchrun (no --rdzv-id) sets it")
+    ap.add_argument("--second-manager", action="store_true",
+                    help="each process also saves every step through a second async manager (another root)")
     args = ap.parse_args(argv)
+    environment: dict[str, Any] = {}
+    if args.nofile:
+        environment["nofile"] = args.nofile
+    if args.plain_torchrun:
+        environment["plain_torchrun"] = True
+    if args.second_manager:
+        environment["second_manager"] = True
     points = [p for p in args.points.split(",") if p]
     unknown = set(points) - set(POINTS)
     if unknown:
@@ -499,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.trials, args.seed, timeout=args.timeout, slack=args.slack,
         worlds=[int(w) for w in args.worlds.split(",")], points=points or None,
         only=[int(i) for i in args.only.split(",") if i], workdir=args.workdir, keep=args.keep,
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, environment=environment,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     command = f".venv/bin/python -m tests.stress.kill_matrix --trials {args.trials} --seed {args.seed}"
@@ -509,6 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --timeout {args.timeout:g}"
     if args.overwrite:
         command += " --overwrite"
+    if args.nofile:
+        command += f" --nofile {args.nofile}"
+    if args.plain_torchrun:
+        command += " --plain-torchrun"
+    if args.second_manager:
+        command += " --second-manager"
     if args.workdir:
         command += f" --workdir {args.workdir}"
     table = table_markdown(summary, command)
