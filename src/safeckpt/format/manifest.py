@@ -199,19 +199,23 @@ def pread_all(fd: int, n: int, at: int = 0) -> bytes:
     return b"".join(parts)
 
 
-def open_regular(path: str, ckpt_dir: str) -> int:
+def open_regular(path: str, ckpt_dir: str, *, dir_fd: int | None = None, name: str | None = None) -> int:
     """Open a file inside a checkpoint for reading: never through a symlink, never blocking on
     a FIFO or device, only a regular file. Returns the fd. A missing file, a symlink or
     anything but a regular file is CorruptCheckpoint; a permission problem CheckpointError; an
     error that can pass (out of descriptors, I/O error, stale handle) is tried again a few
-    times and then StorageUnavailable: never taken for damage."""
+    times and then StorageUnavailable: never taken for damage. ``dir_fd``/``name``: open
+    ``name`` inside that directory (``path`` then only names it in messages)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = retry_io(lambda: os.open(path, flags), f"cannot open {path}")
+        if dir_fd is None:
+            fd = retry_io(lambda: os.open(path, flags), f"cannot open {path}")
+        else:
+            fd = retry_io(lambda: os.open(name or os.path.basename(path), flags, dir_fd=dir_fd), f"cannot open {path}")
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path} is missing", path=ckpt_dir) from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP or os.path.islink(path):
+        if exc.errno == errno.ELOOP or (dir_fd is None and os.path.islink(path)):
             raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=ckpt_dir) from None
         if exc.errno in (errno.EACCES, errno.EPERM):
             # Not damage: the checkpoint may be fine, so no fallback to an older one.

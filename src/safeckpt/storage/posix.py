@@ -39,7 +39,6 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from ..format import manifest as _manifest
 from ..format.manifest import (
-    DAMAGE_ERRNOS,
     MANIFEST,
     TRASH_MARK,
     is_staging_name,
@@ -372,33 +371,10 @@ def open_beneath(path: str) -> int:
             raise CheckpointError(f"cannot read {path}: permission denied (run as a user who can "
                                   "read the checkpoint, or fix its permissions)") from exc
         raise unavailable(f"cannot open {path}", exc) from exc
-    try:
-        flags = os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
-        try:
-            out = retry_io(lambda: os.open(parts[-1], flags, dir_fd=fd), f"cannot open {path}")
-        except FileNotFoundError:
-            raise CorruptCheckpoint(f"{path} is missing", path=anchor) from None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=anchor) from None
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                raise CheckpointError(f"cannot read {path}: permission denied (run as a user who can "
-                                      "read the checkpoint, or fix its permissions)") from exc
-            if exc.errno in DAMAGE_ERRNOS:
-                raise CorruptCheckpoint(f"cannot open {path}: {exc.strerror}", path=anchor) from exc
-            raise unavailable(f"cannot open {path}", exc) from exc
+    try:  # the last name opened inside its (link-free) parent, checked as any data file is
+        return open_regular(path, anchor, dir_fd=fd, name=parts[-1])
     finally:
         os.close(fd)
-    try:
-        mode = retry_io(lambda: os.fstat(out).st_mode, f"cannot stat {path}")
-    except BaseException:
-        os.close(out)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(out)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (FIFO, device or socket)"
-        raise CorruptCheckpoint(f"{path} is {kind}; refusing to read it", path=anchor)
-    return out
 
 
 HASH_BLOCK = 8 << 20  # bytes read per call when hashing a whole file
