@@ -9,7 +9,11 @@ One line per training script::
 Each save is one collective, atomic safeckpt commit under ``args.output_dir`` (directories
 ``checkpoint-N``, Trainer's names, with Trainer's ``trainer_state.json`` inside) holding the model (DDP replicas written once, FSDP2 shards as DTensors, never
 gathered), optimizer, LR scheduler, grad scaler, every rank's RNG, the TrainerState and the
-seedable sampler's state. Retention (``save_total_limit``, the best checkpoint by
+seedable sampler's state. A ``checkpoint-N`` of a DDP or one-process model is also a Hugging
+Face model directory: the model's weights are ``save_pretrained``'s files themselves
+(``model.safetensors`` or its shards and index, PEFT's ``adapter_model.safetensors``), with
+``config.json`` and ``generation_config.json``, written once as named files of the commit
+(``safeckpt.integrations._hf.layout``). Retention (``save_total_limit``, the best checkpoint by
 ``metric_for_best_model``) runs only after the commit. A SIGTERM on any rank makes every rank
 save the same step and stop. ``save_model`` of an FSDP2 model writes ``from_pretrained``-loadable
 safetensors without gathering the weights on one rank.
