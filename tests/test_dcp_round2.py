@@ -13,6 +13,7 @@ import torch
 
 import safeckpt
 from tests.helpers import dist_harness
+from tests.test_dcp import _forbid_unpickling
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 import safeckpt.dcp  # noqa: E402
@@ -151,13 +152,6 @@ def test_bytes_dot_metadata_failed_save_and_overwrite_at_two_ranks(tmp_path, mon
     assert target["epoch"] == 6
 
 
-def _forbid_unpickling(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("unpickled something")
-
-    monkeypatch.setattr(torch, "load", refuse)
-    monkeypatch.setattr(pickle, "loads", refuse)
-    monkeypatch.setattr(pickle, "load", refuse)
 
 
 # ----------------------------------------------------------------------------- single process

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import queue as queue_mod
 import shutil
 import signal
 import threading
@@ -133,15 +132,8 @@ def _run_job(root: str, kill_at: int, log: str, timeout: float = 90.0) -> list:
              for r in range(2)]
     for p in procs:
         p.start()
-    outcomes: dict = {}
     deadline = time.monotonic() + timeout
-    while len(outcomes) < 2 and time.monotonic() < deadline:
-        try:
-            o = queue.get(timeout=0.2)
-            outcomes[o.rank] = o
-        except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
+    outcomes = dist_harness.collect(procs, queue, deadline)
     for p in procs:
         p.join(max(0.5, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]

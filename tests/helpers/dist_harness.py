@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import re
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,18 +104,8 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
     ]
     for p in procs:
         p.start()
-    import queue as queue_mod
-    import time
-
     deadline = time.monotonic() + timeout
-    outcomes: dict[int, Outcome] = {}
-    while len(outcomes) < world_size and time.monotonic() < deadline:
-        try:
-            o = queue.get(timeout=0.2)
-            outcomes[o.rank] = o
-        except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
+    outcomes = collect(procs, queue, deadline)
     hung = [r for r, p in enumerate(procs) if r not in outcomes and p.is_alive()]
     for p in procs:
         p.join(timeout=max(0.5, deadline - time.monotonic()) if not hung else 0.5)
@@ -130,6 +121,21 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DE
         o.exitcode = p.exitcode
         result.append(o)
     return result
+
+
+def collect(procs: list[Any], queue: Any, deadline: float) -> dict[int, Outcome]:
+    """The outcomes ``procs`` put on ``queue`` by ``deadline`` (fewer if some died or hung)."""
+    import queue as queue_mod
+
+    outcomes: dict[int, Outcome] = {}
+    while len(outcomes) < len(procs) and time.monotonic() < deadline:
+        try:
+            o = queue.get(timeout=0.2)
+            outcomes[o.rank] = o
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    return outcomes
 
 
 def attempt(fn: Callable[[], Any]) -> dict:
