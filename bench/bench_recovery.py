@@ -18,6 +18,9 @@ where it says so:
   backward, SGD) with no checkpoint vs a local save at every step (the 2-core VM shares its
   cores between training and the background save: the overhead shows that competition).
 
+``--device cuda``: the model on the GPU (every rank on cuda:0); the snapshot then goes through
+pinned host buffers (``engine.staging``), and the restore copies into the CUDA tensors.
+
     python bench/bench_recovery.py --params 12000000 --nodes 2 --dir /tmp/bench-rec
 """
 
@@ -70,7 +73,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
     import safeckpt
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    model = _model(args.params)
+    model = _model(args.params).to(args.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     state = {"model": model, "mine": safeckpt.PerRank(torch.full((1024,), float(rank)))}
     local = os.path.join(args.local, f"node{rank}")
@@ -88,9 +91,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
 
     if phase == "save":
         tensors = [p.detach() for p in model.parameters()]
-        bufs = [torch.empty_like(t) for t in tensors]
-        res["plain copy"] = min(timed(lambda: [b.copy_(t) for b, t in zip(bufs, tensors, strict=True)])
-                                for _ in range(3))
+        pinned = args.device != "cpu"
+        bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
+
+        def plain_copy() -> None:
+            for b, t in zip(bufs, tensors, strict=True):
+                b.copy_(t, non_blocking=pinned)
+            if pinned:
+                torch.cuda.synchronize()
+
+        res["plain copy"] = min(timed(plain_copy) for _ in range(3))
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
         blocked, complete = [], []
@@ -102,7 +112,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
         mgr.close()  # drains step 3 to root
         res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs)
         # the training loop, without and with a local save at every step
-        x = torch.randn(64, 1024)
+        x = torch.randn(64, 1024, device=args.device)
 
         def loop(save: bool, mgr=None) -> None:
             for i in range(args.loop_steps):
@@ -113,6 +123,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
                     mgr.save(100 + i, state)
             if save:
                 mgr.wait()
+            if args.device != "cpu":
+                torch.cuda.synchronize()
 
         res["train loop, no checkpoint"] = timed(lambda: loop(False))
         loop_root = os.path.join(args.dir, "loop-root")
@@ -174,6 +186,7 @@ def main() -> None:
     ap.add_argument("--loop-steps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/bench-recovery")
     ap.add_argument("--local", default="/dev/shm/bench-recovery")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every rank on cuda:0)")
     args = ap.parse_args()
     for d in (args.dir, args.local):
         shutil.rmtree(d, ignore_errors=True)
@@ -189,7 +202,7 @@ def main() -> None:
     res.update(_phase(args, "root"))
     shutil.rmtree(args.local, ignore_errors=True)
     print(f"state: {args.params / 1e6:.0f}M float32 parameters ({res['bytes'] / 2**20:.0f} MiB per step), "
-          f"{args.nodes} nodes x 1 rank, replicas=1")
+          f"{args.nodes} nodes x 1 rank, replicas=1, device {args.device}")
     for k, v in res.items():
         print(f"  {k:45s} {v:.3f} s" if isinstance(v, float) else f"  {k:45s} {v}")
     r = res["restore after node loss (local + peers)"] / res["plain read from local_dir"]

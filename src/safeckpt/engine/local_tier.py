@@ -385,13 +385,19 @@ def non_finite(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     return bad
 
 
-def read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def read_file(path: str, size: int) -> torch.Tensor:
+    """The file's bytes in a uint8 tensor of ``size`` (read straight into it, no copy; zeros
+    past a short file: its checksum fails where it is checked)."""
+    t = torch.zeros(size, dtype=torch.uint8)
+    if size:
+        with open(path, "rb") as f:
+            f.readinto(memoryview(t.numpy()))
+    return t
 
 
-def as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+def as_tensor(data: Any) -> torch.Tensor:
+    """What is sent of a file (the hook a test uses to damage a replica on the way)."""
+    return data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def warn(text: str) -> None:

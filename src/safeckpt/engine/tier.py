@@ -122,11 +122,10 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         sends, recvs, bad = [], [], []
         if targets.get(me):
             name, size, xxh = files[me]
-            data = read_file(os.path.join(part, name))
-            if len(data) != size or file_xxh3(data) != xxh:
-                # what is on disk is not what was written: send nothing, the receivers drop it
+            data = read_file(os.path.join(part, name), size)
+            if os.path.getsize(os.path.join(part, name)) != size or file_xxh3(data.numpy()) != xxh:
+                # what is on disk is not what was written: the receivers will drop it
                 bad.append(f"rank {me}'s own copy of {name} on {nd.node} no longer matches its checksum")
-                data = b"\0" * size
             tensor = as_tensor(data)
             sends = [(dst, me, tensor) for dst in targets[me]]
         for src, dsts in targets.items():
@@ -141,7 +140,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 bad.append(f"the replica of {name} (rank {src}) received by rank {me} on {nd.node} does not "
                            "match its checksum: not kept")
                 continue
-            write_bytes_atomic(os.path.join(part, name), view.tobytes())
+            write_bytes_atomic(os.path.join(part, name), view)
             got.append(name)
         return {"got": got, "bad": bad}
 
@@ -317,11 +316,9 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                 src = srcs[k]
                 if src == me:
                     try:
-                        data = read_file(os.path.join(nd.step_dir(step), f))
-                    except OSError:
-                        data = b""
-                    if len(data) != expected[f][0]:
-                        data = (data + b"\0" * expected[f][0])[: expected[f][0]]
+                        data = read_file(os.path.join(nd.step_dir(step), f), expected[f][0])
+                    except OSError:  # gone meanwhile: zeros, which the receiver rejects
+                        data = torch.zeros(expected[f][0], dtype=torch.uint8)
                     sends.append((dest, i, as_tensor(data)))
                 if dest == me and src != ROOT:
                     recvs.append((src, i, torch.empty(expected[f][0], dtype=torch.uint8)))
@@ -341,7 +338,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
                                       "failed verification"])
                     continue
-                _keep(nd, step, f, bytes(data), raw)
+                _keep(nd, step, f, data, raw)
                 got.append(i)
             return {"got": got, "failed": failed}
 
@@ -368,7 +365,7 @@ def nd_holds(plan: dict[str, Any], node: str, step: int, mhash: str | None) -> b
     return rec is not None and rec["manifest"] == mhash
 
 
-def _keep(nd: NodeDir, step: int, name: str, data: bytes, manifest: bytes) -> None:
+def _keep(nd: NodeDir, step: int, name: str, data: Any, manifest: bytes) -> None:
     """A fetched, verified file into this node's directory of ``step`` (created if the node
     lost it), replacing a bad copy."""
     d = nd.step_dir(step)
