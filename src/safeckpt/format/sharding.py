@@ -9,12 +9,12 @@ from the rank's mesh coordinate. Of the ranks holding the same box (the replicas
 ``crc32(key) % replicas``, so writes spread over replicas and every reader computes the same
 writer.
 
-``_StridedShard(d, split_factor=f)`` (FSDP2 over tensor parallelism: the weight is cut by the
-TP mesh dim first, then by the FSDP dim) is ``["SS", d, f]``: the current extent is cut into
-``f`` chunks, each chunk into the mesh dim's pieces, and a rank takes its piece of every chunk;
-the placements after it then cut that list. A rank's region is tracked as runs of indices per
-tensor dim (at most the split factors' product of them), and is a box when each dim has one
-run: for every layout FSDP2 and TP produce. A region that is not a box is refused.
+``_StridedShard(d, split_factor=f)`` (FSDP2 over tensor parallelism) is ``["SS", d, f]``: the
+tensor is cut by the placements after it on ``d`` first (the TP mesh dims, ``f`` ways in all),
+and then this rank's piece of that is cut by the SS mesh dim, as FSDP2 does: ``torch.chunk`` of
+the TP shard. (torch's ``_compute_local_shape_and_global_offset`` cuts ``f`` chunks first instead;
+the two agree only when the shards are even.) So every rank's region is a box, also for uneven
+shapes; an ``f`` other than the product of the later mesh sizes is not described.
 
 The save checks, rank by rank, that the rule gives exactly the box the DTensor holds; a tensor
 where it does not (``Partial``, a custom uneven layout) is stored with an explicit list of boxes
@@ -70,6 +70,11 @@ def dims_of(t: Any) -> list[list[Any]] | None:
             out.append(["SS", int(p.dim), int(p.split_factor)])
         else:
             return None
+    if _strided(out):
+        try:  # a split factor other than FSDP2's is not the rule's: per-rank boxes
+            _cut_order(out, list(t.device_mesh.shape))
+        except CorruptCheckpoint:
+            return None
     return out
 
 
@@ -121,91 +126,58 @@ def _strided(dims: Sequence[Sequence[Any]]) -> bool:
     return any(d[0] == "SS" for d in dims)
 
 
-def _take(runs: Runs, pos: int, n: int) -> Runs:
-    """The runs of the positions [pos, pos + n) of the index list ``runs``."""
-    out = []
-    for s, ln in runs:
-        if n <= 0:
-            break
-        if pos >= ln:
-            pos -= ln
-            continue
-        k = min(ln - pos, n)
-        out.append((s + pos, k))
-        n -= k
-        pos = 0
-    return out
+def _cut_order(dims: Sequence[Sequence[Any]], mesh_shape: Sequence[int]) -> list[int]:
+    """The sharding mesh dims in the order they cut the tensor, tensor dim by tensor dim.
+
+    Along one tensor dim the placements cut in mesh order, except that ``["SS", d, f]`` cuts
+    after all the placements after it on ``d``: FSDP2 chunks the shard tensor parallelism
+    left, ``torch.chunk`` of ``torch.chunk``. ``f`` must be the product of those placements'
+    mesh sizes, as FSDP2 sets it; any other ``f`` is not described (CorruptCheckpoint)."""
+    order: list[int] = []
+    for dim in sorted({d[1] for d in dims if d[0] != "R"}):
+        on = [i for i, d in enumerate(dims) if d[0] != "R" and d[1] == dim]
+        for k, i in enumerate(on):
+            later = math.prod(mesh_shape[j] for j in on[k + 1:])
+            if dims[i][0] == "SS" and dims[i][2] != later:
+                raise CorruptCheckpoint(f"the placement {list(dims[i])} is followed by shards of dim {dim} "
+                                        f"splitting it {later} ways, not {dims[i][2]}")
+        order += _in_cut_order(dims, on)
+    return order
 
 
-def _merged(runs: Runs) -> Runs:
-    out: Runs = []
-    for s, ln in runs:
-        if ln and out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + ln)
-        elif ln:
-            out.append((s, ln))
-    return out
-
-
-def _cut(runs: Runs, d: Sequence[Any], parts: int, c: int) -> Runs:
-    """The index list ``runs`` cut by placement ``d`` (``S`` or ``SS``) over ``parts``: piece ``c``."""
-    total = sum(ln for _, ln in runs)
-    if d[0] == "S":
-        return _take(runs, *_piece(total, parts, c))
-    out: Runs = []
-    for k in range(d[2]):
-        ks, kl = _piece(total, d[2], k)
-        s, ln = _piece(kl, parts, c)
-        out += _take(runs, ks + s, ln)
-    return _merged(out)
+def _in_cut_order(dims: Sequence[Sequence[Any]], on: list[int]) -> list[int]:
+    """The placements ``on`` (one tensor dim's, in mesh order) in cut order: an ``S`` cuts
+    before the ones after it, an ``SS`` after them."""
+    if not on:
+        return []
+    rest = _in_cut_order(dims, on[1:])
+    return [on[0], *rest] if dims[on[0]][0] == "S" else [*rest, on[0]]
 
 
 def region_at(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
               dims: Sequence[Sequence[Any]]) -> list[Runs]:
-    """The indices, per tensor dim, the rule gives the rank at ``coord`` (as runs)."""
-    runs: list[Runs] = [[(0, n)] if n else [] for n in shape]
-    for i, d in enumerate(dims):
-        if d[0] != "R":
-            runs[d[1]] = _cut(runs[d[1]], d, mesh_shape[i], coord[i])
-    return runs
-
-
-def _box_of(runs: list[Runs], shape: Sequence[int]) -> Box | None:
-    """The box a region is, or None when some dim has indices that are not one run."""
-    offsets, sizes = [], []
-    for dim, r in enumerate(runs):
-        if len(r) > 1:
-            return None
-        offsets.append(r[0][0] if r else shape[dim])
-        sizes.append(r[0][1] if r else 0)
-    return offsets, sizes
+    """The indices, per tensor dim, the rule gives the rank at ``coord`` (one run, or none)."""
+    offsets, sizes = box_at(shape, mesh_shape, coord, dims)
+    return [[(o, n)] if n else [] for o, n in zip(offsets, sizes, strict=True)]
 
 
 def box_at(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], dims: Sequence[Sequence[Any]]) -> Box:
-    """The box the rule gives the rank at mesh coordinate ``coord``. (With ``SS`` placements a
-    region that is not a box gives its first indices and its sizes, as torch's own function
-    does; :func:`strided_box` tells them apart.)"""
-    if _strided(dims):
-        runs = region_at(shape, mesh_shape, coord, dims)
-        box = _box_of(runs, shape)
-        if box is None:
-            return [r[0][0] if r else n for r, n in zip(runs, shape, strict=True)], [sum(x[1] for x in r) for r in runs]
-        return box
+    """The box the rule gives the rank at mesh coordinate ``coord``: each sharding mesh dim, in
+    cut order (mesh order without ``SS``), takes its piece of the extent left so far."""
+    order = _cut_order(dims, mesh_shape) if _strided(dims) else [i for i, d in enumerate(dims) if d[0] != "R"]
     offsets, sizes = [0] * len(shape), list(shape)
-    for i, d in enumerate(dims):
-        if d[0] == "S":
-            start, length = _piece(sizes[d[1]], mesh_shape[i], coord[i])
-            offsets[d[1]] += start
-            sizes[d[1]] = length
+    for i in order:
+        dim = dims[i][1]
+        start, length = _piece(sizes[dim], mesh_shape[i], coord[i])
+        offsets[dim] += start
+        sizes[dim] = length
     return offsets, sizes
 
 
 def strided_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-                dims: Sequence[Sequence[Any]]) -> Box | None:
-    """:func:`box_at`, or None where the rule's region is not a box."""
-    if not _strided(dims):
-        return box_at(shape, mesh_shape, coord, dims)
-    return _box_of(region_at(shape, mesh_shape, coord, dims), shape)
+                dims: Sequence[Sequence[Any]]) -> Box:
+    """:func:`box_at` (kept for callers of the name: every region of the rule is a box)."""
+    return box_at(shape, mesh_shape, coord, dims)
 
 
 def writer_replica(key: str, mesh_shape: Sequence[int], dims: Sequence[Sequence[Any]]) -> list[int]:
@@ -231,38 +203,35 @@ def writes(key: str, shape: Sequence[int], mesh: Mesh, dims: Sequence[Sequence[A
     for i, d in enumerate(dims):
         if d[0] == "R" and coord[i] != next(owner):
             return None
-    box = strided_box(shape, mesh.shape, coord, dims)
-    if box is None:
-        raise CorruptCheckpoint(f"the placements {dims} of {key!r:.200} give rank {rank} indices that "
-                                "are not a box")
+    box = box_at(shape, mesh.shape, coord, dims)
     return None if 0 in box[1] else box
 
 
 def overlapping(key: str, shape: Sequence[int], mesh: Mesh, dims: Sequence[Sequence[Any]],
                 want: Box | None) -> Iterator[tuple[int, Box]]:
     """(writer rank, box) of every stored chunk of ``key`` that overlaps ``want`` (None: all),
-    without visiting the others: along each sharding mesh dim only the coordinates whose piece
-    meets ``want`` are tried."""
-    if _strided(dims):
-        yield from _overlapping_strided(key, shape, mesh, dims, want)
-        return
+    without visiting the others: along each sharding mesh dim (in cut order) only the
+    coordinates whose piece meets ``want`` are tried."""
     owner = writer_replica(key, mesh.shape, dims)
     ndim = len(shape)
     lo = list(want[0]) if want is not None else [0] * ndim
     hi = [o + s for o, s in zip(want[0], want[1], strict=True)] if want is not None else list(shape)
     if want is not None and ndim and any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
         return
+    if _strided(dims):
+        order = _cut_order(dims, mesh.shape)
+    else:
+        order = [i for i, d in enumerate(dims) if d[0] != "R"]
+    reps = [i for i, d in enumerate(dims) if d[0] == "R"]
+    fixed = dict(zip(reps, owner, strict=True))
 
-    def walk(i: int, coord: list[int], offsets: list[int], sizes: list[int], rep: int) -> Iterator[tuple[int, Box]]:
-        if i == len(dims):
+    def walk(k: int, at: dict[int, int], offsets: list[int], sizes: list[int]) -> Iterator[tuple[int, Box]]:
+        if k == len(order):
             if 0 not in sizes:
-                yield mesh.rank_of(coord), (list(offsets), list(sizes))
+                yield mesh.rank_of([at[i] for i in range(len(dims))]), (list(offsets), list(sizes))
             return
-        d = dims[i]
-        if d[0] == "R":
-            yield from walk(i + 1, [*coord, owner[rep]], offsets, sizes, rep + 1)
-            return
-        dim, parts = d[1], mesh.shape[i]
+        i = order[k]
+        dim, parts = dims[i][1], mesh.shape[i]
         extent = sizes[dim]
         piece = -(-extent // parts) if extent else 0
         first, last = 0, parts - 1
@@ -278,74 +247,9 @@ def overlapping(key: str, shape: Sequence[int], mesh: Mesh, dims: Sequence[Seque
                 continue
             offs, szs = list(offsets), list(sizes)
             offs[dim], szs[dim] = o, length
-            yield from walk(i + 1, [*coord, c], offs, szs, rep)
+            yield from walk(k + 1, {**at, i: c}, offs, szs)
 
-    yield from walk(0, [], [0] * ndim, list(shape), 0)
-
-
-def _positions(runs: Runs, lo: int, hi: int) -> tuple[int, int]:
-    """The positions [first, end) in the index list ``runs`` of the indices in [lo, hi) (the
-    list is ascending, so they are consecutive); (0, 0) if none."""
-    first, end, pos = -1, 0, 0
-    for s, ln in runs:
-        a, b = max(s, lo), min(s + ln, hi)
-        if a < b:
-            if first < 0:
-                first = pos + a - s
-            end = pos + b - s
-        pos += ln
-    return (first, end) if first >= 0 else (0, 0)
-
-
-def _candidates(runs: Runs, d: Sequence[Any], parts: int, lo: int, hi: int) -> list[int]:
-    """The coordinates along a sharding mesh dim whose piece may hold indices in [lo, hi)."""
-    p0, p1 = _positions(runs, lo, hi)
-    if p0 >= p1:
-        return []
-    total = sum(ln for _, ln in runs)
-    chunks = [(0, total)] if d[0] == "S" else [_piece(total, d[2], k) for k in range(d[2])]
-    out: set[int] = set()
-    for ks, kl in chunks:
-        a, b = max(p0, ks) - ks, min(p1, ks + kl) - ks
-        piece = -(-kl // parts) if kl else 0
-        if a < b and piece:
-            out.update(range(a // piece, min(parts - 1, (b - 1) // piece) + 1))
-    return sorted(out)
-
-
-def _overlapping_strided(key: str, shape: Sequence[int], mesh: Mesh, dims: Sequence[Sequence[Any]],
-                         want: Box | None) -> Iterator[tuple[int, Box]]:
-    """:func:`overlapping` for placements with ``SS``: the same walk over the mesh dims, each
-    tensor dim's indices kept as runs; along each sharding mesh dim only the coordinates whose
-    piece (of any chunk) meets ``want`` are tried."""
-    owner = writer_replica(key, mesh.shape, dims)
-    ndim = len(shape)
-    lo = list(want[0]) if want is not None else [0] * ndim
-    hi = [o + n for o, n in zip(want[0], want[1], strict=True)] if want is not None else list(shape)
-    if ndim and any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
-        return
-
-    def walk(i: int, coord: list[int], runs: list[Runs], rep: int) -> Iterator[tuple[int, Box]]:
-        if i == len(dims):
-            box = _box_of(runs, shape)
-            if box is None:
-                raise CorruptCheckpoint(f"the placements {dims} of {key!r:.200} give the rank at {coord} "
-                                        "indices that are not a box")
-            if 0 not in box[1]:
-                yield mesh.rank_of(coord), box
-            return
-        d = dims[i]
-        if d[0] == "R":
-            yield from walk(i + 1, [*coord, owner[rep]], runs, rep + 1)
-            return
-        dim = d[1]
-        for c in _candidates(runs[dim], d, mesh.shape[i], lo[dim], hi[dim]):
-            cut = _cut(runs[dim], d, mesh.shape[i], c)
-            if _positions(cut, lo[dim], hi[dim])[1] == 0:
-                continue
-            yield from walk(i + 1, [*coord, c], [*runs[:dim], cut, *runs[dim + 1:]], rep)
-
-    yield from walk(0, [], [[(0, n)] if n else [] for n in shape], 0)
+    yield from walk(0, fixed, [0] * ndim, list(shape))
 
 
 # ------------------------------------------------------- a DTensor's own box
@@ -362,8 +266,9 @@ def local_box(t: Any) -> list[list[int]]:
 def _dtensor_box(t: Any) -> list[list[int]]:
     """A DTensor's box by the rule above, cached per mesh, placements and shape, and checked
     against its local shard's shape; torch's own function (~0.3 ms a call: most of an FSDP2
-    save of 1,000 tensors) for anything else. Placements the rule describes that give this
-    rank indices that are not a box (a strided shard alone) are refused: no box holds them."""
+    save of 1,000 tensors) for anything else (the save then stores that box explicitly). A
+    ``_StridedShard`` the rule does not describe gets torch's own split's indices, refused
+    when they are not one box."""
     mesh = t.device_mesh
     key = (id(mesh), tuple(t.placements), tuple(t.shape))
     hit = _BOXES.get(key)
@@ -372,12 +277,9 @@ def _dtensor_box(t: Any) -> list[list[int]]:
         coord = mesh.get_coordinate()
         box: Box | None = None
         if dims is not None and coord is not None:
-            box = strided_box(list(t.shape), list(mesh.shape), coord, dims)
-            if box is None:
-                raise CheckpointError(
-                    f"a DTensor of shape {list(t.shape)} with placements {list(t.placements)} holds, on "
-                    f"mesh coordinate {coord}, indices that are not one box; safeckpt cannot store or "
-                    "load it (redistribute it, e.g. to Shard/Replicate placements, first).")
+            box = box_at(list(t.shape), list(mesh.shape), coord, dims)
+        elif coord is not None and any(type(p).__name__ == "_StridedShard" for p in t.placements):
+            box = _torch_strided_box(t, list(coord))
         hit = (mesh, box)
         if len(_BOXES) > 4096:
             _BOXES.clear()
@@ -389,6 +291,33 @@ def _dtensor_box(t: Any) -> list[list[int]]:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return [list(offset), list(shape)]
+
+
+def _torch_strided_box(t: Any, coord: list[int]) -> Box:
+    """This rank's box of a DTensor with a ``_StridedShard`` the rule does not describe (a
+    split factor FSDP2 does not give): the indices torch's own split puts here (its
+    ``_StridedShard`` cuts ``f`` chunks first), refused when they are not one box (torch's
+    function would name a box that holds other indices)."""
+    import torch
+    from torch.distributed.tensor import Replicate
+
+    offsets, sizes = [], []
+    for dim, n in enumerate(t.shape):
+        idx = torch.arange(int(n)).view([int(n) if k == dim else 1 for k in range(len(t.shape))])
+        for i, p in enumerate(t.placements):
+            if isinstance(p, Replicate) or getattr(p, "dim", None) != dim:
+                continue  # Partial keeps the whole
+            pieces, _ = p._split_tensor(idx, t.device_mesh.size(i), with_padding=False)
+            idx = pieces[coord[i]] if coord[i] < len(pieces) else idx.narrow(dim, 0, 0)
+        got = idx.flatten().tolist()
+        if got and got != list(range(got[0], got[0] + len(got))):
+            raise CheckpointError(
+                f"a DTensor of shape {list(t.shape)} with placements {list(t.placements)} holds, on "
+                f"mesh coordinate {coord}, indices that are not one box; safeckpt cannot store or "
+                "load it (redistribute it, e.g. to Shard/Replicate placements, first).")
+        offsets.append(got[0] if got else int(n))
+        sizes.append(len(got))
+    return offsets, sizes
 
 
 def placement_of(t: Any) -> dict[str, Any] | None:
