@@ -240,3 +240,14 @@ def test_async_saves_and_frozen_parameters_keep_the_layout(tmp_path) -> None:
     again.train(resume_from_checkpoint=True)
     assert again.state.global_step == 6
     assert torch.equal(again.model.model.embed_tokens.weight, want["model.embed_tokens.weight"])
+
+
+def test_missing_checkpoints_are_reported_in_trainers_own_words(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer)(model=_model(), args=_args(out, 2), train_dataset=tiny.TokenData(8, 1))
+    with pytest.raises(safeckpt.CheckpointNotFound, match=r"^No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+    reset_accelerate_state()
+    trainer = with_safeckpt(Trainer)(model=_model(), args=_args(out, 2), train_dataset=tiny.TokenData(8, 1))
+    with pytest.raises(safeckpt.CheckpointNotFound, match=r"^Can't find a valid checkpoint at .*checkpoint-5-bogus"):
+        trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5-bogus"))

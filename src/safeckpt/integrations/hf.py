@@ -330,7 +330,8 @@ class SafeckptTrainerMixin(Trainer):
         older checkpoint, as Trainer's own retries (auto_find_batch_size) rerun its loop."""
         candidates, reasons = mgr.resume_candidates()
         if not candidates and not reasons:
-            raise CheckpointNotFound(
+            raise CheckpointNotFound(  # Trainer's own words first: scripts and tests match them
+                f"No valid checkpoint found in output directory ({self.safeckpt_root_dir}): "
                 f"resume_from_checkpoint=True but {self.safeckpt_root_dir} holds no committed "
                 "safeckpt checkpoint. Start without resume_from_checkpoint for a fresh run.",
                 path=self.safeckpt_root_dir,
@@ -375,7 +376,8 @@ class SafeckptTrainerMixin(Trainer):
             if isinstance(exc, CorruptCheckpoint):
                 raise
             raise CheckpointNotFound(
-                f"{path} is not a committed safeckpt checkpoint ({exc}). Trainer-format "
+                f"Can't find a valid checkpoint at {path}: it is not a committed safeckpt checkpoint "
+                f"({exc}). Trainer-format "
                 "checkpoints (checkpoint-N) cannot be resumed by the safeckpt integration; "
                 "convert the model with `safeckpt convert` or start fresh.", path=path,
             ) from exc
