@@ -251,3 +251,35 @@ def test_missing_checkpoints_are_reported_in_trainers_own_words(tmp_path) -> Non
     trainer = with_safeckpt(Trainer)(model=_model(), args=_args(out, 2), train_dataset=tiny.TokenData(8, 1))
     with pytest.raises(safeckpt.CheckpointNotFound, match=r"^Can't find a valid checkpoint at .*checkpoint-5-bogus"):
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-5-bogus"))
+
+
+class _Regression(torch.nn.Module):  # not a PreTrainedModel: Trainer saves its state dict alone
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.5))
+        self.b = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None) -> tuple:
+        y = input_x * self.a + self.b
+        return torch.nn.functional.mse_loss(y, labels), y
+
+
+class _Line(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_x": torch.tensor(float(i)), "labels": torch.tensor(2.0 * i + 3)}
+
+
+def test_a_plain_module_gets_model_safetensors_as_trainer_writes_it(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "out")
+    trainer = with_safeckpt(Trainer)(model=_Regression(), args=_args(out, 4, per_device_train_batch_size=4),
+                                     train_dataset=_Line())
+    trainer.train()
+    sd = load_file(os.path.join(out, "checkpoint-4", "model.safetensors"))
+    assert set(sd) == {"a", "b"} and torch.equal(sd["a"], trainer.model.a.detach())
+    assert not torch.equal(sd["a"], torch.tensor(0.5))  # it trained
+
