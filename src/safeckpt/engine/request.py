@@ -77,8 +77,9 @@ class SaveRequest:
     files every rank writes itself into the checkpoint during the save (synchronous saves on a
     filesystem only). ``frozen``: "full" saves frozen parameters like the rest; "fingerprint"
     saves a fingerprint of each instead (see :mod:`safeckpt.engine.frozen`); tensors that
-    ``named`` lays out are always saved in full. ``named``: a :class:`NamedLayout`, some
-    tensors as files under the caller's names (``model.safetensors``).
+    ``named`` lays out are always saved in full (then the whole save keeps frozen parameters in
+    full). ``named``: a :class:`NamedLayout` (or its ``files`` mapping), some tensors as files
+    under the caller's names (``model.safetensors``).
     """
 
     target: str
