@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from typing import Any
 
 import pytest
@@ -106,6 +107,17 @@ def test_fsdp2_over_tp_is_described_by_the_rule_and_reshards_bit_exactly(tmp_pat
     assert not [k for k, rec in man["tensors"].items() if "boxes" in rec]  # before: every strided tensor
     dims = {json.dumps(rec["sharding"]["dims"]) for rec in man["tensors"].values() if "sharding" in rec}
     assert json.dumps([["SS", 0, 2], ["S", 0]]) in dims and json.dumps([["S", 0], ["S", 1]]) in dims, dims
+    # A forged split factor (not the 2 ranks of the later mesh dim sharding dim 0) is refused by
+    # validation, before any box is computed from it
+    from safeckpt.format.manifest import encode_manifest
+
+    forged = json.loads(json.dumps(man).replace('["SS", 0, 2]', '["SS", 0, 1]'))
+    forged.pop("manifest_xxh3_128", None)
+    bad = tmp_path / "forged"
+    shutil.copytree(tp_root / "ck", bad)
+    (bad / "manifest.json").write_bytes(encode_manifest(forged))
+    report = safeckpt.verify(str(bad))
+    assert not report.ok and "split factor" in " ".join(report.problems), report.problems
     ref = dist_harness.run(_one_d, 4, str(d1_root), timeout=300)
     assert all(o.ok for o in ref), [o.message for o in ref]
     for o, r in zip(out[1:], ref[1:], strict=True):  # a non-coordinator: the same bytes as on 1-D

@@ -244,7 +244,7 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
         _hex(rec.get("xxh3_128"), f"checksum of written file {name!r}", 32)
     for r in _list(man.get("rank_trees", []), "'rank_trees'"):
         _int(r, "a rank in 'rank_trees'", 1, world - 1)
-    sizes, counts = [], []  # each mesh's dims and ranks
+    sizes, counts, mesh_shapes = [], [], []  # each mesh's dims, ranks and shape
     for i, mesh in enumerate(meshes):
         what = f"mesh {i}"
         mesh = _dict(mesh, what)
@@ -266,6 +266,7 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
             _int(mesh.get("start"), f"first rank of {what}", 0, world - n)
         sizes.append(len(shape))
         counts.append(n)
+        mesh_shapes.append(shape)
     for key, rec in tensors.items():
         what = f"tensor {key!r:.200}"
         rec = _dict(rec, what)
@@ -290,7 +291,7 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
             if len(dims) != sizes[m]:
                 raise _Bad(f"{what} has {len(dims)} placements on a {sizes[m]}-d mesh")
             strided = 1
-            for d in dims:
+            for i, d in enumerate(dims):
                 if not (d == ["R"] or (isinstance(d, list) and len(d) == 2 and d[0] == "S"
                                        and type(d[1]) is int and 0 <= d[1] < len(shape))
                         or (isinstance(d, list) and len(d) == 3 and d[0] == "SS" and type(d[1]) is int
@@ -298,6 +299,13 @@ def _check_v3(man: dict[str, Any], file_ok: Any, dtype_size: Any) -> None:
                     raise _Bad(f"{what} has an unknown placement {d!r:.40}")
                 if d[0] == "SS":
                     strided *= d[2]
+                    # FSDP2's split factor: the ranks of the later mesh dims sharding this tensor dim
+                    later = math.prod(mesh_shapes[m][j] for j in range(i + 1, len(dims))
+                                      if isinstance(dims[j], list) and len(dims[j]) >= 2 and dims[j][0] in ("S", "SS")
+                                      and dims[j][1] == d[1])
+                    if d[2] != later:
+                        raise _Bad(f"{what} has a strided placement {d!r:.40} whose split factor is not the "
+                                   f"{later} ranks of the later mesh dims sharding that tensor dim")
             if strided > counts[m]:  # a rank's region is at most this many runs per dim
                 raise _Bad(f"{what} has strided placements splitting by {strided}, more than its mesh's ranks")
         elif ways == ["boxes"]:
