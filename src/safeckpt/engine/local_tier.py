@@ -386,12 +386,15 @@ def non_finite(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
 
 
 def read_file(path: str, size: int) -> torch.Tensor:
-    """The file's bytes in a uint8 tensor of ``size`` (read straight into it, no copy; zeros
-    past a short file: its checksum fails where it is checked)."""
-    t = torch.zeros(size, dtype=torch.uint8)
+    """The file's bytes in a uint8 tensor of ``size`` (read straight into it, no copy; a short
+    file leaves the rest zero: its checksum fails where it is checked)."""
+    t = torch.empty(size, dtype=torch.uint8)
     if size:
+        view = memoryview(t.numpy())
         with open(path, "rb") as f:
-            f.readinto(memoryview(t.numpy()))
+            got = f.readinto(view)
+        if got < size:
+            view[got:] = b"\0" * (size - got)
     return t
 
 
