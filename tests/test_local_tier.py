@@ -271,6 +271,31 @@ def test_single_process_local_tier_budget_and_ls(tmp_path, capsys):
     assert cli.main(["ls", str(local)]) == 0
     out = capsys.readouterr().out
     assert f"(root {root})" in out and "all files here" in out
+    # root newer than the local tier (a fresh local_dir): from root
+    with safeckpt.CheckpointManager(root, local_dir=tmp_path / "fresh", preemption_signals=()) as m:
+        st = _state(0, 0)
+        assert m.restore(st) == 5 and _same(st, _state(5, 0))
+
+
+def test_restore_from_the_local_tier_while_root_cannot_be_listed(tmp_path, monkeypatch):
+    import safeckpt
+    import safeckpt.manager as manager
+    from safeckpt.errors import StorageError
+
+    root, local = tmp_path / "root", tmp_path / "local"
+    with safeckpt.CheckpointManager(root, local_dir=local, durable_every=None, preemption_signals=()) as m:
+        m.save(7, _state(7, 0))
+    assert [n for n in os.listdir(root) if n.startswith("step-")] == ["step-0000000007"]  # drained at close
+
+    def unreachable(*a, **k):
+        raise StorageError("endpoint unreachable")
+
+    monkeypatch.setattr(manager, "committed", unreachable)
+    with safeckpt.CheckpointManager(root, local_dir=local, preemption_signals=()) as m:
+        st = _state(0, 0)
+        with pytest.warns(safeckpt.SafeckptWarning, match="could not be listed.*node-local tier only"):
+            assert m.restore(st) == 7
+        assert _same(st, _state(7, 0))
 
 
 def test_a_full_local_disk_or_an_unreachable_root_degrade_with_a_warning(tmp_path, monkeypatch):
