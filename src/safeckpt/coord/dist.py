@@ -6,7 +6,7 @@ Design:
   training job's own (often NCCL) group is never used or disturbed, and an absent peer costs at
   most ``timeout`` seconds instead of the 30-minute default.
 - Creating that group is bounded too. Ranks first meet in the job's store (each publishes who it
-  is, see ``_liveness``) with their own deadline, so a rank that died before safeckpt's first
+  is, see ``safeckpt.coord.liveness``) with their own deadline, so a rank that died before safeckpt's first
   call is named after ``timeout``. The group is then created with a connect timeout of
   ``timeout / 6`` (gloo waits up to 5x that for a peer that dies while connecting) and its
   collective timeout raised to ``timeout`` afterwards.

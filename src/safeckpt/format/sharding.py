@@ -12,7 +12,7 @@ writer.
 ``_StridedShard(d, split_factor=f)`` (FSDP2 over tensor parallelism) is ``["SS", d, f]``: the
 tensor is cut by the placements after it on ``d`` first (the TP mesh dims, ``f`` ways in all),
 and then this rank's piece of that is cut by the SS mesh dim, as FSDP2 does: ``torch.chunk`` of
-the TP shard. (torch's ``_compute_local_shape_and_global_offset`` cuts ``f`` chunks first instead;
+the TP shard. (torch's ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset`` cuts ``f`` chunks first instead;
 the two agree only when the shards are even.) So every rank's region is a box, also for uneven
 shapes; an ``f`` other than the product of the later mesh sizes is not described.
 

@@ -7,12 +7,12 @@ not grow with the world size:
 
 - replicated: ``pieces`` [[writer rank, first row, rows], ...] (the plan spreads the bytes of
   all replicated tensors over the ranks: O(tensors + ranks) pieces in all);
-- sharded by the DTensor rule: ``sharding`` {mesh, dims} (see ``_sharding``), the mesh stored
+- sharded by the DTensor rule: ``sharding`` {mesh, dims} (see ``safeckpt.format.sharding``), the mesh stored
   once in ``meshes``; sharded otherwise: ``boxes`` [[rank, offsets, sizes], ...];
 - per-rank: nothing (every rank's file holds its own copy).
 
 and per file: size, xxh3-128, writer rank, where its data starts and where its index is (with
-the index's xxh3-64). The index (``_fileindex``) has each chunk's byte range and checksum.
+the index's xxh3-64). The index (``safeckpt.format.fileindex``) has each chunk's byte range and checksum.
 Ranks whose object trees differ from rank 0's (RNG states) are listed in ``rank_trees`` and
 keep their trees in their own index.
 

@@ -635,7 +635,7 @@ class SafeckptTrainerMixin(Trainer):
             raise CheckpointError(f"committed {info.path}, expected {path}")
 
     def _safeckpt_pretrained_layout(self) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes]]:
-        """The model's files as Trainer's ``_save`` (``save_pretrained``) lays them out, for this
+        """The model's files as ``Trainer._save`` (``save_pretrained``) lays them out, for this
         save: ({file: {name in file: key}}, the small files beside them on rank 0), or (None, {})
         where the checkpoint keeps the model in safeckpt's own files (DeepSpeed, FSDP2, opted out)."""
         want = self.safeckpt_pretrained

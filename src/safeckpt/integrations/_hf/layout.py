@@ -1,7 +1,7 @@
 """A checkpoint that is also a Hugging Face model directory (issue 30).
 
 ``save_pretrained`` decides what a model directory holds: which tensors (tied weights once,
-``_keys_to_ignore_on_save`` left out, PEFT adapters only, renamed as PEFT and weight
+the model's ``model._keys_to_ignore_on_save`` left out, PEFT adapters only, renamed as PEFT and weight
 conversions rename them), in which files (``model.safetensors``, or shards named
 ``model-0000k-of-0000n.safetensors`` past ``max_shard_size`` with ``model.safetensors.index.json``),
 and the small files beside them (``config.json``, ``generation_config.json``,
