@@ -163,6 +163,7 @@ class CheckpointManager:
         self.keep_local = keep_local
         self.local_max_bytes = local_max_bytes
         self._last: dict[str, Any] | None = None  # the newest local step: its job, and whether root has it
+        self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
@@ -277,9 +278,14 @@ class CheckpointManager:
         given ``rest`` (the ones a previous pick left unjudged), the next one among them."""
         if not is_coordinator:
             return None
-        got = picking.judge(self._store, rest) if rest is not None else \
-            picking.first_valid(self._store, self.root, self._dirnames, step)
-        marks = self._root_quarantine()
+        if rest is None:
+            # The marks are read only when the pick's own listing of the root shows them.
+            seen = _RootListing(self._store, self.root)
+            got = picking.first_valid(seen, self.root, self._dirnames, step)
+            self._marks = self._root_quarantine() if ROOT_QUARANTINE in seen.names else {}
+        else:
+            got = picking.judge(self._store, rest)
+        marks = self._marks
         while marks and got["candidates"] and str(got["candidates"][0][0]) in marks:
             cand = got["candidates"][0][0]
             more = picking.judge(self._store, got["rest"]) if got["rest"] else \
@@ -635,6 +641,23 @@ def _abandon(lock: Any, watcher: PreemptionWatcher | None) -> None:
     finally:
         if watcher:
             watcher.restore()
+
+
+class _RootListing:
+    """A storage that remembers the names its listing of ``root`` returned (everything else is
+    the wrapped storage's), so the pick's one listing also says whether quarantine marks exist."""
+
+    def __init__(self, store: Any, root: str) -> None:
+        self._store, self._root, self.names = store, root, set()
+
+    def list(self, path: str) -> Any:
+        items = self._store.list(path)
+        if path == self._root:
+            self.names.update(i.name for i in items or ())
+        return items
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 class _TierResult(NamedTuple):
