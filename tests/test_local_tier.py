@@ -341,3 +341,20 @@ def test_a_full_local_disk_or_an_unreachable_root_degrade_with_a_warning(tmp_pat
     assert safeckpt.verify(str(root / "step-0000000004")).ok
     st = _state(0, 0)
     assert safeckpt.load(str(root / "step-0000000004"), st) and _same(st, _state(4, 0))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_check_finite_without_local_tier_refuses_the_save(tmp_path, async_save):
+    import safeckpt
+
+    with safeckpt.CheckpointManager(tmp_path, check_finite=True, async_save=async_save, preemption_signals=()) as m:
+        m.save(1, _state(1, 0))
+        m.wait()
+        bad = _state(2, 0)
+        bad["w"][5] = float("inf")
+        with pytest.raises(safeckpt.CheckpointError, match="check_finite: step 2 holds NaN/Inf in w"):
+            m.save(2, bad)
+        m.save(3, _state(3, 0))
+        m.wait()
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".safeckpt")) == [
+        "step-0000000001", "step-0000000003"]  # nothing of step 2, no staging left

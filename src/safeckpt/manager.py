@@ -32,7 +32,7 @@ from .engine.local_tier import ROOT_QUARANTINE, NodeDir, NodeTierStorage, tier_u
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
-from .engine.tier import drain, holders_of, restore_local, save_local
+from .engine.tier import drain, holders_of, refuse_non_finite, restore_local, save_local
 from .engine.tier import inventory as tier_inventory
 from .errors import (
     CheckpointError,
@@ -350,10 +350,14 @@ class CheckpointManager:
         if self._saver is None:
             with paused_gc():  # the caller waits for all of it (see SaveJob.run)
                 job.agree()
+                if self.check_finite:
+                    refuse_non_finite(coord, job, step)
                 return job.finish()
         with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
             job.agree()
             job.snapshot(self._pool)
+            if self.check_finite:  # on the staged bytes
+                refuse_non_finite(coord, job, step)
         # The background thread agrees on a gloo group of its own, one per root (the same name
         # on every rank, whatever other managers a rank made): two async managers in one process
         # (full state + best model) must not share one, or their threads interleave collectives.

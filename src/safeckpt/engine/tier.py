@@ -163,6 +163,30 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in d2["warnings"]]}
 
 
+def refuse_non_finite(coord: Coordinator, job: Any, step: int | None) -> None:
+    """``check_finite`` for a save without the local tier: after the agreement (and the
+    snapshot), one exchange of the names of this rank's floating write items that hold NaN/Inf;
+    any -> the same CheckpointError on every rank naming them, and the coordinator removes the
+    staging place (nothing was written)."""
+    job._plan()
+    bad = non_finite(job.items)
+
+    def resolve(reports: list[list[str]]) -> None:
+        named = sorted({n for rep in reports for n in rep})
+        if named:
+            raise CheckpointError(
+                f"check_finite: step {step} holds NaN/Inf in {', '.join(named[:10])}"
+                + (f" and {len(named) - 10} more" if len(named) > 10 else "")
+                + "; the step was not committed (the previous checkpoints are intact)")
+
+    try:
+        coord.decide("check-finite", lambda: bad, resolve, hint="Nothing was written.")
+    except BaseException:
+        if coord.is_coordinator and job.staging:
+            _commit.discard(job.store, job.target, job.staging)
+        raise
+
+
 def write_local(job: Any, staging: dict[str, str]) -> dict[str, Any]:
     """This rank's file of ``job`` (the bytes a save would write for it) into ``staging``."""
     return job._write(staging)
