@@ -400,3 +400,21 @@ def test_dtensor_state_restored_from_a_peer_after_node_loss(tmp_path):
         assert got == 2 and shard_ok and w_ok, o.value
     root = tmp_path / "root"  # never drained: the restore had nothing but the nodes' copies
     assert not root.exists() or not [n for n in os.listdir(root) if n.startswith("step-")]
+
+
+def test_a_preempted_job_drains_its_next_save_to_root(tmp_path):
+    import signal
+
+    import safeckpt
+
+    root = tmp_path / "root"
+    with safeckpt.CheckpointManager(root, local_dir=tmp_path / "local", durable_every=None,
+                                    preemption_signals=(signal.SIGUSR1,)) as m:
+        m.save(1, _state(1, 0))
+        m.wait()
+        assert not root.exists() or not [n for n in os.listdir(root) if n.startswith("step-")]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        m.save(2, _state(2, 0))  # preempted: this one goes to root too
+        m.wait()
+        assert [n for n in os.listdir(root) if n.startswith("step-")] == ["step-0000000002"]
+        assert m.preempted
