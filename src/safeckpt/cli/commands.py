@@ -54,7 +54,7 @@ from .paths import (
 
 def _check(path: str, deep: bool, advance: Advance | None) -> VerifyReport:
     """:func:`safeckpt.verify`, feeding a progress bar while it hashes when one is shown."""
-    return verify(path, deep=deep, progress=advance)
+    return verify(path, deep=deep, progress=advance, storage_errors="raise")  # exit 74, not "corrupt"
 
 
 def _entry_size(e: Entry) -> int:

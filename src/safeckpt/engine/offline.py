@@ -37,16 +37,26 @@ class VerifyReport:
 
 def verify(
     path: str | os.PathLike[str], deep: bool = True, *, progress: Callable[[int], None] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None, storage_errors: str = "report",
 ) -> VerifyReport:
     """Check a checkpoint with the same validation a load runs: the manifest (its checksum and
     every field, chunks tiling every tensor), every file present, regular and of the right size
     with a safetensors header that matches the manifest, and with ``deep`` every file's
     checksum and every chunk's, from one read of each file (``progress(n)`` is told about
     every n bytes hashed).
-    ``storage_options``: the fsspec filesystem's options for a URL ``path``."""
+    ``storage_options``: the fsspec filesystem's options for a URL ``path``.
+
+    A storage failure that says nothing about the checkpoint (no credentials, an unreachable
+    endpoint, EIO/ESTALE after retries) is reported as a problem too (``ok`` False); pass
+    ``storage_errors="raise"`` to get it as :class:`~safeckpt.StorageError` instead (the CLI
+    does: exit 74, not "corrupt")."""
     ckpt = resolve(path)
-    return verify_on(storage_for(ckpt, storage_options), ckpt, deep, progress=progress)
+    try:
+        return verify_on(storage_for(ckpt, storage_options), ckpt, deep, progress=progress)
+    except StorageError as exc:
+        if storage_errors == "raise":
+            raise
+        return VerifyReport(ckpt, False, [f"the storage failed, not the checkpoint: {exc}"], deep=deep)
 
 
 def verify_on(store: Storage, ckpt: str, deep: bool = True, *,
