@@ -24,7 +24,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench
 	$(MKDOCS)
-	$(BIN)/python -m pytest -q
+	# Two workers, each test file on one of them (module fixtures built once): most of the
+	# suite waits on real processes, timeouts and servers, so 2 workers fit 2 cores (~20 min).
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or API reference.
 # Offline: no fonts, no CDN. Output in build/site.
