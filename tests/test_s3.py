@@ -33,9 +33,10 @@ pytest.importorskip("moto")
 SMALL_PART = 5 << 20  # S3's minimum part size: a rank's 12 MiB share is a 3-part multipart upload
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    with s3_harness.moto_server() as ep:
+@pytest.fixture(scope="module", params=["moto", "seaweedfs"])
+def endpoint(request):
+    """moto's S3 server and SeaweedFS (a real S3 server enforcing conditional writes)."""
+    with s3_harness.server(request.param) as ep:
         yield ep
 
 

@@ -33,9 +33,10 @@ BUCKET = "extras"
 KILLED = 17  # the coordinator's exit status at the injected crash
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    with s3_harness.moto_server() as ep:
+@pytest.fixture(scope="module", params=["moto", "seaweedfs"])
+def endpoint(request):
+    """moto's S3 server and SeaweedFS (a real S3 server enforcing conditional writes)."""
+    with s3_harness.server(request.param) as ep:
         s3_harness.make_bucket(ep, BUCKET)
         yield ep
 
