@@ -133,14 +133,43 @@ PHASE_POINTS: dict[str, tuple[str, str]] = {
 # ------------------------------------------------------------------------- state and values
 
 
-def make_state() -> dict[str, Any]:
+def make_state(mesh2d: bool = False) -> dict[str, Any]:
+    """The job's state. ``mesh2d`` (4 ranks): the model's weight and bias are DTensors on a 2x2
+    device mesh (weight sharded on both dims, bias on one and replicated on the other), the
+    layout of FSDP2 over tensor parallelism's 2-D meshes; the keys and values are the same."""
     import torch
     from torch import nn
 
     import safeckpt
 
-    return {"model": nn.Linear(64, 64), "big": torch.zeros(BIG), "rng": safeckpt.RNGState(),
-            "meta": {"step": -1}}
+    if not mesh2d:
+        return {"model": nn.Linear(64, 64), "big": torch.zeros(BIG), "rng": safeckpt.RNGState(),
+                "meta": {"step": -1}}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    model = {"weight": distribute_tensor(torch.zeros(64, 64), mesh, [Shard(0), Shard(1)]),
+             "bias": distribute_tensor(torch.zeros(64), mesh, [Shard(0), Replicate()])}
+    return {"model": model, "big": torch.zeros(BIG), "rng": safeckpt.RNGState(), "meta": {"step": -1}}
+
+
+def _local_part(full: Any, dtensor: Any) -> Any:
+    """This rank's part of ``full`` under ``dtensor``'s placements, computed locally."""
+    from safeckpt.format.sharding import local_box
+
+    offsets, sizes = local_box(dtensor)
+    part = full
+    for dim, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        part = part.narrow(dim, o, n)
+    return part
+
+
+def _model_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    model = state["model"]
+    if isinstance(model, dict):
+        return {"model/weight": model["weight"], "model/bias": model["bias"]}
+    return {"model/weight": model.weight, "model/bias": model.bias}
 
 
 def expected(step: int) -> dict[str, Any]:
@@ -162,8 +191,11 @@ def set_step(state: dict[str, Any], step: int, rank: int) -> None:
 
     want = expected(step)
     with torch.no_grad():
-        state["model"].weight.copy_(want["model/weight"])
-        state["model"].bias.copy_(want["model/bias"])
+        for key, t in _model_tensors(state).items():
+            if hasattr(t, "device_mesh"):  # a DTensor: this rank's shard (no collective: a rank
+                t.to_local().copy_(_local_part(want[key], t))  # may be dead when this runs)
+            else:
+                t.copy_(want[key])
         state["big"].copy_(want["big"])
     state["meta"] = {"step": step}
     torch.manual_seed(rng_seed(step, rank))
@@ -174,8 +206,10 @@ def state_matches(state: dict[str, Any], step: int, rank: int) -> str:
     import torch
 
     want = expected(step)
-    got = {"model/weight": state["model"].weight, "model/bias": state["model"].bias, "big": state["big"]}
-    bad = [k for k in want if not torch.equal(got[k].detach(), want[k])]
+    got = {**_model_tensors(state), "big": state["big"]}
+    bad = [k for k in want if not torch.equal(
+        got[k].to_local() if hasattr(got[k], "device_mesh") else got[k].detach(),
+        _local_part(want[k], got[k]) if hasattr(got[k], "device_mesh") else want[k])]
     if state["meta"] != {"step": step}:
         bad.append(f"meta={state['meta']}")
     draw = torch.rand(4)
@@ -611,7 +645,7 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
                                 world_size=world, timeout=timedelta(seconds=spec["store_timeout"]))
         if job == "crash" and rank == spec["victim"]:
             Killer(spec, rank, trial_dir, root).install()
-        state = make_state()
+        state = make_state(bool(spec.get("mesh2d")))
         keep = None if job == "seed" else spec["keep_last"]
         mgr = safeckpt.CheckpointManager(root, keep_last=keep, async_save=spec["mode"] == "async",
                                          timeout=spec["timeout"], preemption_signals=())

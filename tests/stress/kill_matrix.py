@@ -356,7 +356,8 @@ def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 
     indices = list(only) if only else list(range(trials))
     # environment: where the jobs run (kill_inject.worker applies it): "nofile" (RLIMIT_NOFILE),
     # "plain_torchrun" (TORCHELASTIC_RUN_ID=none: the lease tells jobs apart by a token),
-    # "second_manager" (a second async manager in each process, saving every step too)
+    # "second_manager" (a second async manager in each process, saving every step too),
+    # "mesh2d" (the model's tensors are DTensors on a 2x2 mesh; 4 ranks)
     specs = [{**sample(seed, i, timeout, worlds, points, overwrite), **(environment or {})} for i in indices]
     return run_specs(specs, seed=seed, timeout=timeout, slack=slack, **kwargs)
 
@@ -497,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nofile", type=int, default=0, help="RLIMIT_NOFILE of the jobs (a low descriptor limit)")
     ap.add_argument("--plain-torchrun", action="store_true",
                     help="TORCHELASTIC_RUN_ID=none in the jobs, as plain torchrun (no --rdzv-id) sets it")
+    ap.add_argument("--mesh2d", action="store_true",
+                    help="the model's tensors are DTensors on a 2x2 device mesh (implies --worlds 4)")
     ap.add_argument("--second-manager", action="store_true",
                     help="each process also saves every step through a second async manager (another root)")
     args = ap.parse_args(argv)
@@ -507,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment["plain_torchrun"] = True
     if args.second_manager:
         environment["second_manager"] = True
+    if args.mesh2d:
+        environment["mesh2d"] = True
+        args.worlds = "4"
     points = [p for p in args.points.split(",") if p]
     unknown = set(points) - set(POINTS)
     if unknown:
@@ -531,6 +537,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += " --plain-torchrun"
     if args.second_manager:
         command += " --second-manager"
+    if args.mesh2d:
+        command += " --mesh2d"
     if args.workdir:
         command += f" --workdir {args.workdir}"
     table = table_markdown(summary, command)
