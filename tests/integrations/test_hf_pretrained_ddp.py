@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 
@@ -29,14 +28,9 @@ SCRIPT = os.path.join(HERE, "scripts", "hf_pretrained_ddp.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import hf_tiny as tiny  # noqa: E402
 
+from tests.helpers.hf_layout import assert_same_shards, tensors  # noqa: E402
+
 LAUNCH_TIMEOUT = 240
-
-
-def _tensors(path: str) -> dict[str, tuple[str, list[int]]]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        hdr = json.loads(f.read(n))
-    return {k: (v["dtype"], v["shape"]) for k, v in hdr.items() if k != "__metadata__"}
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
@@ -63,21 +57,15 @@ def test_ddp_checkpoint_is_a_sharded_model_directory_written_by_both_ranks(tmp_p
 
     ckpt = os.path.join(out, "checkpoint-4")
     ref = os.path.join(out, "ref")
-    shards = sorted(n for n in os.listdir(ref) if n.endswith(".safetensors"))
+    shards = assert_same_shards(ckpt, ref)
     assert len(shards) >= 3, shards  # several shards, so both ranks can take some
-    assert sorted(n for n in os.listdir(ckpt) if n.startswith("model-")) == shards
-    for n in shards:
-        assert _tensors(os.path.join(ckpt, n)) == _tensors(os.path.join(ref, n)), n
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as a, \
-            open(os.path.join(ref, "model.safetensors.index.json")) as b:
-        assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
 
     man = json.load(open(os.path.join(ckpt, "manifest.json")))
     assert man["world_size"] == 2
     writers = {man["files"][n]["writer"] for n in shards}
     assert writers == {0, 1}, writers  # each rank wrote its share of the shards
     for n in ("rank-00000.safetensors", "rank-00001.safetensors"):  # and no model bytes besides
-        assert not any(k.startswith("model/") for k in _tensors(os.path.join(ckpt, n)))
+        assert not any(k.startswith("model/") for k in tensors(os.path.join(ckpt, n)))
     assert safeckpt.verify(ckpt).ok
 
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)

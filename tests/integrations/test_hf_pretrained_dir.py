@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import pytest
 
@@ -30,6 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, Traini
 
 import safeckpt
 from safeckpt.integrations.hf import with_safeckpt
+from tests.helpers.hf_layout import assert_same_shards, tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,16 +43,6 @@ def _model(tied: bool = True, seed: int = 0) -> LlamaForCausalLM:
 
 def _args(out: str, steps: int, **kw: object) -> TrainingArguments:
     return training_args(out, max_steps=steps, logging_steps=1, seed=0, **kw)
-
-
-def _header(path: str) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
-def _tensors(path: str) -> dict[str, tuple[str, list[int]]]:
-    return {k: (v["dtype"], v["shape"]) for k, v in _header(path).items() if k != "__metadata__"}
 
 
 def _flip(path: str, at: int) -> None:
@@ -73,8 +63,8 @@ def test_checkpoint_is_save_pretrained_layout_loads_and_resumes(tmp_path) -> Non
 
     # The files save_pretrained writes, with exactly its tensors (tied lm_head left out).
     assert {"model.safetensors", "config.json", "generation_config.json"} <= set(os.listdir(ckpt))
-    assert _tensors(os.path.join(ckpt, "model.safetensors")) == _tensors(os.path.join(ref, "model.safetensors"))
-    assert "lm_head.weight" not in _tensors(os.path.join(ckpt, "model.safetensors"))
+    assert tensors(os.path.join(ckpt, "model.safetensors")) == tensors(os.path.join(ref, "model.safetensors"))
+    assert "lm_head.weight" not in tensors(os.path.join(ckpt, "model.safetensors"))
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         assert f.metadata()["format"] == "pt"
     with open(os.path.join(ckpt, "config.json")) as a, open(os.path.join(ref, "config.json")) as b:
@@ -86,7 +76,7 @@ def test_checkpoint_is_save_pretrained_layout_loads_and_resumes(tmp_path) -> Non
     assert {"config.json", "generation_config.json"} <= set(man["extra"])
     rank_files = [n for n in man["files"] if n.startswith("rank-")]
     assert rank_files and not any(k.startswith("model/") for n in rank_files
-                                  for k in _tensors(os.path.join(ckpt, n)))
+                                  for k in tensors(os.path.join(ckpt, n)))
     assert safeckpt.verify(ckpt).ok
 
     # from_pretrained gives the trained model, tied as before.
@@ -120,14 +110,8 @@ def test_untied_model_and_sharded_layout_match_save_pretrained(tmp_path) -> None
     ckpt = os.path.join(out, "checkpoint-2")
     ref = str(tmp_path / "ref")
     trainer.model.save_pretrained(ref, max_shard_size="40KB")
-    shards = sorted(n for n in os.listdir(ref) if n.endswith(".safetensors"))
+    shards = assert_same_shards(ckpt, ref)
     assert len(shards) > 2 and shards[0].startswith("model-00001-of-")  # the test means something
-    assert sorted(n for n in os.listdir(ckpt) if n.startswith("model-")) == shards
-    for n in shards:
-        assert _tensors(os.path.join(ckpt, n)) == _tensors(os.path.join(ref, n)), n
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as a, \
-            open(os.path.join(ref, "model.safetensors.index.json")) as b:
-        assert json.load(a)["weight_map"] == json.load(b)["weight_map"]
     assert "lm_head.weight" in json.load(open(os.path.join(ckpt, "model.safetensors.index.json")))["weight_map"]
     man = json.load(open(os.path.join(ckpt, "manifest.json")))
     assert set(shards) <= set(man["files"]) and "model.safetensors.index.json" in man["extra"]
@@ -144,7 +128,7 @@ def test_opting_out_keeps_the_model_in_safeckpt_files(tmp_path) -> None:
     trainer.train()
     ckpt = os.path.join(out, "checkpoint-2")
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
-    assert any(k.startswith("model/") for k in _tensors(os.path.join(ckpt, "rank-00000.safetensors")))
+    assert any(k.startswith("model/") for k in tensors(os.path.join(ckpt, "rank-00000.safetensors")))
 
 
 def test_load_best_model_at_end_reads_the_best_checkpoint_directory(tmp_path) -> None:
@@ -184,8 +168,8 @@ def test_peft_checkpoint_is_an_adapter_directory(tmp_path) -> None:
     trainer.model.save_pretrained(ref)
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(ckpt))
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
-    assert _tensors(os.path.join(ckpt, "adapter_model.safetensors")) == \
-        _tensors(os.path.join(ref, "adapter_model.safetensors"))
+    assert tensors(os.path.join(ckpt, "adapter_model.safetensors")) == \
+        tensors(os.path.join(ref, "adapter_model.safetensors"))
     loaded = PeftModel.from_pretrained(_model(tied=False), ckpt)
     want = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
     got = loaded.state_dict()
@@ -227,7 +211,7 @@ def test_async_saves_and_frozen_parameters_keep_the_layout(tmp_path) -> None:
                                                       train_dataset=tiny.TokenData(16, 1))
     trainer.train()
     ckpt = os.path.join(out, "checkpoint-4")
-    assert "model.embed_tokens.weight" in _tensors(os.path.join(ckpt, "model.safetensors"))
+    assert "model.embed_tokens.weight" in tensors(os.path.join(ckpt, "model.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(ckpt)
     want = trainer.model.state_dict()
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
