@@ -54,6 +54,22 @@ def _wait_file(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_scans(sync_dir: Path, more: int, timeout: float = 120.0) -> None:
+    """Block until the test's reader thread has scanned ``more`` more times, so every save in a
+    window is watched however slowly ``latest()`` runs on a loaded machine."""
+    def count() -> int:
+        try:
+            return int((sync_dir / "scans").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+    goal = count() + more
+    deadline = time.monotonic() + timeout
+    while count() < goal:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the reader scanned fewer than {goal} times")
+        time.sleep(0.02)
+
+
 def _small_parts() -> None:
     from safeckpt.storage import s3 as _storage_s3
 
@@ -99,6 +115,8 @@ def _scenarios(rank: int, world: int, ep: str, proxy_ep: str, hung_ep: str, auth
         out["fresh"] = mgr.restore(_state(0.0, rank))
         for s in range(1, 7):
             mgr.save(s, _state(float(s), rank), metrics={"loss": 1.0 / s})
+            if rank == 0:  # the reader watches each retention deletion, however slow its scans
+                _wait_scans(sync_dir, 5)
         out["listed"] = [i.step for i in mgr.list()]
     with safeckpt.CheckpointManager(root, keep_last=2, async_save=True, preemption_signals=(),
                                     storage_options=opts) as mgr:
@@ -160,15 +178,17 @@ def _scenarios(rank: int, world: int, ep: str, proxy_ep: str, hung_ep: str, auth
     return out
 
 
-def _poll_latest(root: str, opts: dict, done: Path, seen: list) -> None:
+def _poll_latest(root: str, opts: dict, sync: Path, seen: list) -> None:
     ro = safeckpt.CheckpointManager(root, preemption_signals=(), storage_options=opts)
     deadline = time.monotonic() + 240
-    while not done.exists() and time.monotonic() < deadline:
+    while not (sync / "saves-done").exists() and time.monotonic() < deadline:
         try:
             info = ro.latest()
             seen.append(None if info is None else info.step)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             seen.append(f"{type(exc).__name__}: {exc}")
+        (sync / "scans.tmp").write_text(str(len(seen)))
+        os.replace(sync / "scans.tmp", sync / "scans")
         time.sleep(0.02)
 
 
@@ -180,7 +200,7 @@ def test_s3_two_ranks_roundtrip_retention_async_outage_credentials_hung(endpoint
     hung = s3_harness.HungServer(lifetime=240)
     seen: list = []
     reader = threading.Thread(target=_poll_latest, args=(
-        "s3://run-a/run", s3_harness.options(endpoint), sync / "saves-done", seen), daemon=True)
+        "s3://run-a/run", s3_harness.options(endpoint), sync, seen), daemon=True)
     reader.start()
 
     def outage() -> None:  # drop the endpoint when rank 0 asks, restore it when asked
