@@ -28,7 +28,7 @@ from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.gc_pause import paused_gc
 from .engine.load import load
-from .engine.local_tier import ROOT_QUARANTINE, NodeDir, NodeTierStorage, tier_url
+from .engine.local_tier import ROOT_QUARANTINE, NodeDir, NodeTierStorage, step_files, tier_url
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
@@ -145,6 +145,7 @@ class CheckpointManager:
         self._watcher = PreemptionWatcher(preemption_signals) if preemption_signals else None
         self._preempted = False
         self._restored: int | None = None
+        self._restored_at: tuple[Any, str] | None = None  # (storage, path) of the restored copy
         self._closed = False
         # Dropped without close() (a trainer or accelerator garbage collected): release the
         # lease and the signal handlers all the same, so a new manager on this root can write.
@@ -220,6 +221,7 @@ class CheckpointManager:
                 )
                 continue
             self._restored = cand_step
+            self._restored_at = (self._store, path)
             return cand_step
         if reasons:
             raise CorruptCheckpoint(
@@ -267,6 +269,35 @@ class CheckpointManager:
         picked = self._agreed_pick(coord, step)
         reasons = list(picked.get("damaged", []))
         return _Candidates(self, coord, picked, reasons), reasons
+
+    @property
+    def restored_path(self) -> str | None:
+        """Where this rank's last :meth:`restore` read the step it loaded: root's checkpoint
+        (``root/step-N``), or, restored from the local tier, this node's directory of the step
+        (a complete checkpoint on every node after the restore: data, named and extra files,
+        each verified). None before a restore, or when it found nothing."""
+        return self._restored_at[1] if self._restored_at is not None else None
+
+    def restored_files(self) -> dict[str, bytes]:
+        """The extra files (``save(..., extra_files=...)``) of the step the last :meth:`restore`
+        loaded, name -> bytes, from this rank's copy (see :attr:`restored_path`: on every node
+        after a restore from the local tier), each checked against the manifest's size and
+        xxh3-128 (:class:`CorruptCheckpoint` otherwise). Not collective. ``{}`` when the step
+        has none, or nothing was restored."""
+        if self._restored_at is None:
+            return {}
+        import xxhash
+
+        store, path = self._restored_at
+        man = store.read_manifest(path)
+        out: dict[str, bytes] = {}
+        for name, rec in sorted((man.get("extra") or {}).items()):
+            data = store.read(store.join(path, name), int(rec["size"]) + 1)
+            if data is None or len(data) != rec["size"] or xxhash.xxh3_128_hexdigest(data) != rec["xxh3_128"]:
+                raise CorruptCheckpoint(f"{path}: the extra file {name} does not match its manifest record",
+                                        path=path)
+            out[name] = data
+        return out
 
     def mark_restored(self, step: int) -> None:
         """``step`` was restored (by a caller of :meth:`resume_candidates`): retention keeps it."""
@@ -332,10 +363,13 @@ class CheckpointManager:
                 "the save by every rank and published by its rename (not with async_save, not on "
                 "an object store)")
         if self._tier is not None:
-            if extra_files or write_files is not None or named is not None:
-                raise CheckpointError("extra_files, write_files and named are not supported with local_dir "
-                                      "(the node-local tier writes each rank's data file only)")
-            return self._save_tiered(step, state, metrics, metadata)
+            if write_files is not None:  # (refused above: the tier saves in the background)
+                raise CheckpointError("write_files is not supported with local_dir")
+            if named is not None and not self._store.renames:
+                raise CheckpointError(
+                    "named files (model.safetensors) need a filesystem root: they keep their names "
+                    "inside the checkpoint, published by its rename (not on an object store)")
+            return self._save_tiered(step, state, metrics, metadata, extra_files or {}, named)
         path = join(self.root, self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
                               metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
@@ -368,14 +402,19 @@ class CheckpointManager:
 
     # ----------------------------------------------------------- node-local tier
     def _save_tiered(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
-                     metadata: Mapping[str, Any] | None) -> None:
+                     metadata: Mapping[str, Any] | None, extra_files: Mapping[str, bytes],
+                     named: NamedLayout | None) -> None:
         """Agree and copy aside here (the only part that blocks), then in the background: the
-        local tier's phases and, on a durable step, the drain to root (``engine.tier``)."""
+        local tier's phases and, on a durable step, the drain to root (``engine.tier``). The
+        one request (extra files and named layout included) serves both: a node's step is the
+        checkpoint a save without the tier writes, split over the nodes, and the drain commits
+        that checkpoint under root from the same staged bytes."""
         tier = self._tier
         assert tier is not None and self._saver is not None
         durable = (self.durable_every is not None and step % self.durable_every == 0) or self.preempted
         request = SaveRequest(target=tier_url(tier.tag, step), state=state, metadata=metadata, overwrite=True,
-                              step=step, metrics=metrics, frozen=self.frozen)
+                              step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
+                              named=named)
         coord = self._coord(what=f"local save of step {step}")
         job = new_job(coord, request, store=NodeTierStorage(self.timeout))
         with paused_gc():
@@ -445,7 +484,7 @@ class CheckpointManager:
 
         def read(xxh: str) -> bytes | None:
             man = self._store.read_manifest(path)
-            for name, rec in (man.get("files") or {}).items():
+            for name, rec in step_files(man).items():
                 if rec.get("xxh3_128") == xxh:
                     return self._store.read(self._store.join(path, name), int(rec["size"]) + 1)
             return None
@@ -476,6 +515,7 @@ class CheckpointManager:
             if restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
                              root_file=root_file, reasons=reasons):
                 self._restored = cand
+                self._restored_at = (NodeTierStorage(self.timeout), tier.step_dir(cand))
                 return cand
             warnings.warn(f"step {cand} could not be restored from any tier ({reasons[-1]}); trying an "
                           "older step", SafeckptWarning, stacklevel=2)

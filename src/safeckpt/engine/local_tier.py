@@ -70,6 +70,14 @@ def tier_url(tag: str, step: int) -> str:
     return f"{SCHEME}://{tag}/{step_name(step)}"
 
 
+def step_files(man: Mapping[str, Any]) -> dict[str, Any]:
+    """Every file of a step the tier keeps, by name -> its record (size, xxh3_128): the data
+    and named files (``files``) and the coordinator's extra files (``extra``)."""
+    files = man.get("files") or {}
+    extra = man.get("extra") or {}
+    return {**(files if isinstance(files, dict) else {}), **(extra if isinstance(extra, dict) else {})}
+
+
 def file_xxh3(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -213,7 +221,8 @@ class NodeDir:
         except ValueError:
             return None
         files = {}
-        for name, frec in (man.get("files") or {}).items():
+        listed = step_files(man)
+        for name, frec in listed.items():
             try:
                 size = os.path.getsize(os.path.join(d, name))
             except OSError:
@@ -221,7 +230,7 @@ class NodeDir:
             if size == frec.get("size"):
                 files[name] = size
         return {"manifest": file_xxh3(raw), "world": man.get("world_size"), "files": sorted(files),
-                "all": sorted(man.get("files") or {})}
+                "all": sorted(listed)}
 
     def inventory(self) -> dict[str, Any]:
         return {str(s): rec for s in self.steps() if (rec := self.step_record(s)) is not None}
@@ -254,11 +263,15 @@ class NodeDir:
             return False
 
     # ------------------------------------------------------------------ publish and retain
-    def publish(self, step: int, token: str, manifest: bytes, own: list[str], replicas: list[str]) -> None:
+    def publish(self, step: int, token: str, manifest: bytes, own: list[str], replicas: list[str],
+                extras: Mapping[str, bytes] | None = None) -> None:
         """The node's first rank, after every rank of the node wrote (and every replica it
-        holds arrived): manifest and tier record into the partial directory, then one rename."""
+        holds arrived): the step's extra files, manifest and tier record into the partial
+        directory, then one rename."""
         part = self.partial(step, token)
         os.makedirs(part, exist_ok=True)
+        for name, data in (extras or {}).items():
+            write_bytes_atomic(os.path.join(part, name), data)
         write_bytes_atomic(os.path.join(part, MANIFEST), manifest)
         rec = {"root": self.root, "step": step, "node": self.node, "own": own, "replicas": replicas}
         write_bytes_atomic(os.path.join(part, TIER_FILE), json.dumps(rec).encode())

@@ -508,16 +508,9 @@ class SaveJob:
         assert staging is not None and self.plan is not None
         files = _commit.check_written(self.store, staging, written)
         files.update(self._check_named_written(staging, written))
-        head = self._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
-        if self.extra_files:
-            head["extra"] = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
-                             for name, data in sorted(self.extra_files.items())}
-        if self.write_files is not None:  # one record per file, from the rank that wrote it
-            head["written"] = _extra.merge([w.get("written") for w in written],
-                                           {*files, *self.extra_files, MANIFEST}, self.store, staging["path"])
+        head = self._head(files, written, staging)
         extras = dict(self.extra_files)  # names checked by the request
-        objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
-        raw = encode_manifest_text(head, objects, self.plan.tensors_json)
+        raw = self._encode(head)
         late = _commit.commit(self.store, self.target, staging, raw, overwrite=self.overwrite, files=files,
                               extras=extras)
         remember_published(self.store, self.target, head)
@@ -533,6 +526,73 @@ class SaveJob:
             except Exception as exc:  # noqa: BLE001 - the checkpoint is committed: say so on every rank
                 info["after_commit_error"] = f"{type(exc).__name__}: {exc}"
         return info
+
+    def _head(self, files: dict[str, Any], written: list[dict[str, Any]],
+              staging: dict[str, str] | None) -> dict[str, Any]:
+        """The manifest's top-level fields of this save: ``files``, the coordinator's ``extra``
+        files and (with a staging place to check them in) the ``written`` ones."""
+        head = self._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
+        if self.extra_files:
+            head["extra"] = {name: {"size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+                             for name, data in sorted(self.extra_files.items())}
+        if self.write_files is not None:  # one record per file, from the rank that wrote it
+            assert staging is not None
+            head["written"] = _extra.merge([w.get("written") for w in written],
+                                           {*files, *self.extra_files, MANIFEST}, self.store, staging["path"])
+        return head
+
+    def _encode(self, head: dict[str, Any]) -> bytes:
+        assert self.plan is not None
+        objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in self.objects}
+        return encode_manifest_text(head, objects, self.plan.tensors_json)
+
+    # ------------------------------------------- for writers of other places (engine.tier)
+    # The node-local tier writes each rank's files of this job into its node's directory, builds
+    # the manifest from the reports (no rank sees another node's files), and later commits the
+    # same staged bytes under root with :meth:`retarget` + :meth:`finish`. These are its calls.
+
+    def write_items(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor this rank writes in this save (after :meth:`snapshot`: the staged
+        copies), named as the save names them: its data file's items by key, its named files'
+        as ``<file>:<name in file>``."""
+        self._plan()
+        return self.items + [(f"{nf.name}:{n}", t) for nf, its in self.named_items for n, t in its]
+
+    def write_to(self, staging: dict[str, str]) -> dict[str, Any]:
+        """This rank's part of the write phase into ``staging`` (``{"token", "path"}`` on this
+        job's storage): its data file and the named files it writes (not ``write_files``:
+        those run inside :meth:`finish` only). Returns its report for :meth:`files_of`."""
+        if self.write_files is not None:
+            raise CheckpointError("write_files runs inside a save's own commit only")
+        return self._write(staging)
+
+    @staticmethod
+    def report_files(report: Mapping[str, Any]) -> list[tuple[str, int, str]]:
+        """(name, size, xxh3-128) of every file a rank's report of :meth:`write_to` names."""
+        return [(report["file"], report["size"], report["xxh3_128"]),
+                *((n["file"], n["size"], n["xxh3_128"]) for n in report.get("named", ()))]
+
+    def files_of(self, written: list[dict[str, Any]]) -> dict[str, Any]:
+        """Coordinator: the manifest's ``files`` from every rank's report, as the commit records
+        them (without checking the storage: the caller checks its own copies)."""
+        files: dict[str, Any] = {}
+        for r, w in enumerate(written):
+            files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r,
+                                "data": w["data"], "index": w["index"]}
+        for r, w in enumerate(written):  # after the data files, as the commit lists them
+            for rec in w.get("named", ()):
+                files[rec["file"]] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"], "rank": rec["slot"],
+                                      "writer": r, "data": rec["data"], "index": rec["index"]}
+        if self.named is not None:
+            missing = sorted(set(self.named.files) - set(files))
+            if missing:
+                raise CheckpointError(f"no rank reported the named file(s) {missing}")
+        return files
+
+    def manifest_bytes(self, files: dict[str, Any], written: list[dict[str, Any]]) -> bytes:
+        """Coordinator: the manifest a commit of these files would publish (``extra`` included;
+        ``created_at`` is now)."""
+        return self._encode(self._head(files, written, None))
 
     def _check_named_written(self, staging: dict[str, str], written: list[dict[str, Any]]) -> dict[str, Any]:
         """Coordinator: every named file reported by its writer and there with its size; their

@@ -28,6 +28,7 @@ has no valid copy is skipped by every rank together.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -40,7 +41,6 @@ import torch
 from ..coord.dist import Coordinator, send_recv
 from ..errors import CheckpointError, CorruptCheckpoint
 from ..format.manifest import MANIFEST
-from ..format.manifest_text import encode as encode_manifest_text
 from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import write_bytes_atomic
@@ -53,6 +53,7 @@ from .local_tier import (
     non_finite,
     read_file,
     replica_targets,
+    step_files,
     tier_url,
     warn,
 )
@@ -66,14 +67,16 @@ ROOT = -1  # a fetch source: read the file from root
 
 def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: bool,
                keep_local: int | None, max_bytes: int | None, protect: set[int]) -> dict[str, Any]:
-    """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``."""
+    """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
+    files (its data file and the named files it writes) on its node and their replicas; the
+    coordinator's extra files on every node (sent with the manifest, checked against it)."""
     token = job.staging["token"]
     part = nd.partial(step, token)
     job_staging = job.staging.get("path")
 
     def write() -> dict[str, Any]:
         if check_finite:
-            bad = non_finite(job.items)
+            bad = non_finite(job.write_items())
             if bad:
                 raise CheckpointError(
                     f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
@@ -96,16 +99,11 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         failed = [f"rank {r} on {w['node']}: {w['failed']}" for r, w in enumerate(written) if "failed" in w]
         if failed:
             return {"skip": failed}
-        files: dict[str, Any] = {}
-        for r, w in enumerate(written):
-            files[w["file"]] = {"size": w["size"], "xxh3_128": w["xxh3_128"], "rank": r,
-                                "data": w["data"], "index": w["index"]}
-        head = job._manifest_head(files, [r for r, w in enumerate(written) if w["trees"]])
-        objects = {o.name: {"kind": o.kind, "tree": o.tree} for o in job.objects}
-        raw = encode_manifest_text(head, objects, job.plan.tensors_json)
+        raw = job.manifest_bytes(job.files_of(written), written)
         nodes = [w["node"] for w in written]
-        return {"manifest": raw.decode(), "files": [[w["file"], w["size"], w["xxh3_128"]] for w in written],
-                "nodes": nodes, "targets": replica_targets(nodes, replicas)}
+        return {"manifest": raw.decode(), "files": [job.report_files(w) for w in written],
+                "nodes": nodes, "targets": replica_targets(nodes, replicas),
+                "extra": {n: base64.b64encode(data).decode() for n, data in sorted(job.extra_files.items())}}
 
     hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
     d = coord.decide("local-write", write, manifest, hint=hint)
@@ -114,27 +112,31 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         return {"step": step, "skipped": True, "warnings": [
             f"step {step} is not on the local tier: a node-local write failed ({'; '.join(d['skip'][:5])}); "
             "training goes on, the previous local steps are intact"]}
-    files, nodes = d["files"], d["nodes"]
+    files: list[list[list[Any]]] = d["files"]  # rank -> [[name, size, xxh3-128], ...]
+    nodes = d["nodes"]
     targets = {int(k): v for k, v in d["targets"].items()}
+    first_tag = [sum(len(f) for f in files[:r]) for r in range(len(files))]  # one tag per file
     me = coord.rank
 
     def replicate() -> dict[str, Any]:
         sends, recvs, bad = [], [], []
         if targets.get(me):
-            name, size, xxh = files[me]
-            data = read_file(os.path.join(part, name), size)
-            if os.path.getsize(os.path.join(part, name)) != size or file_xxh3(data.numpy()) != xxh:
-                # what is on disk is not what was written: the receivers will drop it
-                bad.append(f"rank {me}'s own copy of {name} on {nd.node} no longer matches its checksum")
-            tensor = as_tensor(data)
-            sends = [(dst, me, tensor) for dst in targets[me]]
+            for j, (name, size, xxh) in enumerate(files[me]):
+                path = os.path.join(part, name)
+                data = read_file(path, size)
+                if os.path.getsize(path) != size or file_xxh3(data.numpy()) != xxh:
+                    # what is on disk is not what was written: the receivers will drop it
+                    bad.append(f"rank {me}'s own copy of {name} on {nd.node} no longer matches its checksum")
+                tensor = as_tensor(data)
+                sends += [(dst, first_tag[me] + j, tensor) for dst in targets[me]]
         for src, dsts in targets.items():
             if me in dsts:
-                recvs.append((src, src, torch.empty(files[src][1], dtype=torch.uint8)))
+                recvs += [(src, first_tag[src] + j, torch.empty(f[1], dtype=torch.uint8))
+                          for j, f in enumerate(files[src])]
         send_recv(coord, sends, recvs)
         got = []
-        for src, _, buf in recvs:
-            name, size, xxh = files[src]
+        for src, tag, buf in recvs:
+            name, size, xxh = files[src][tag - first_tag[src]]
             view = buf.numpy()
             if file_xxh3(view) != xxh:
                 bad.append(f"the replica of {name} (rank {src}) received by rank {me} on {nd.node} does not "
@@ -152,15 +154,32 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
 
     d2 = coord.decide("replicate", replicate, held, hint=hint)
     raw = d["manifest"].encode()
+    extras = extra_files_of(raw, d["extra"])
 
     def publish() -> None:
         if nodes.index(nd.node) == me:  # the node's first rank
-            own = [files[r][0] for r, n in enumerate(nodes) if n == nd.node]
-            nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])))
+            own = [f[0] for r, n in enumerate(nodes) if n == nd.node for f in files[r]]
+            nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])), extras)
             nd.retain(keep_local, max_bytes, protect | {step})
 
     coord.decide("local-publish", publish, lambda _: None, hint=hint)
     return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in d2["warnings"]]}
+
+
+def extra_files_of(manifest: bytes, sent: dict[str, str]) -> dict[str, bytes]:
+    """The coordinator's extra files as broadcast with the manifest, each checked against the
+    manifest's record (size, xxh3-128) before any node keeps it."""
+    listed = json.loads(manifest).get("extra") or {}
+    out = {}
+    for name, text in sent.items():
+        data = base64.b64decode(text)
+        rec = listed.get(name)
+        if rec is None or rec["size"] != len(data) or file_xxh3(data) != rec["xxh3_128"]:
+            raise CorruptCheckpoint(f"extra file {name} arrived damaged (it does not match the manifest)")
+        out[name] = data
+    if set(out) != set(listed):
+        raise CorruptCheckpoint(f"extra files {sorted(set(listed) - set(out))} were not sent with the manifest")
+    return out
 
 
 def refuse_non_finite(coord: Coordinator, job: Any, step: int | None) -> None:
@@ -168,8 +187,7 @@ def refuse_non_finite(coord: Coordinator, job: Any, step: int | None) -> None:
     snapshot), one exchange of the names of this rank's floating write items that hold NaN/Inf;
     any -> the same CheckpointError on every rank naming them, and the coordinator removes the
     staging place (nothing was written)."""
-    job._plan()
-    bad = non_finite(job.items)
+    bad = non_finite(job.write_items())
 
     def resolve(reports: list[list[str]]) -> None:
         named = sorted({n for rep in reports for n in rep})
@@ -281,7 +299,8 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return out
         man = json.loads(raw)
         mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
-        out["bad"] = [f for f in mine if not nd.verified(step, f, man["files"][f]["xxh3_128"])]
+        listed = step_files(man)
+        out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f]["xxh3_128"])]
         if me == man_source:
             out["manifest"] = raw.decode()
         return out
@@ -324,7 +343,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         warn(note)
     raw = d["manifest"].encode()
     man = json.loads(raw)
-    expected = {f: (rec["size"], rec["xxh3_128"]) for f, rec in man["files"].items()}
+    expected = {f: (rec["size"], rec["xxh3_128"]) for f, rec in step_files(man).items()}
     entries = d["entries"]
     done = [False] * len(entries)
     rounds = max((len(e[2]) for e in entries), default=0)
