@@ -7,13 +7,14 @@ One line per training script::
     trainer.train(resume_from_checkpoint=True)                        # newest valid checkpoint
 
 Each save is one collective, atomic safeckpt commit under ``args.output_dir`` (directories
-``checkpoint-N``, Trainer's names, with Trainer's ``trainer_state.json`` inside) holding the model (DDP replicas written once, FSDP2 shards as DTensors, never
-gathered), optimizer, LR scheduler, grad scaler, every rank's RNG, the TrainerState and the
+``checkpoint-N``, Trainer's names, with Trainer's ``trainer_state.json`` inside) holding the model (DDP replicas written once, FSDP2 shards as DTensors, not
+gathered unless ``pretrained=True``), optimizer, LR scheduler, grad scaler, every rank's RNG, the TrainerState and the
 seedable sampler's state. A ``checkpoint-N`` of a DDP or one-process model is also a Hugging
 Face model directory: the model's weights are ``save_pretrained``'s files themselves
 (``model.safetensors`` or its shards and index, PEFT's ``adapter_model.safetensors``), with
 ``config.json`` and ``generation_config.json``, written once as named files of the commit
-(``safeckpt.integrations._hf.layout``). Retention (``save_total_limit``, the best checkpoint by
+(``safeckpt.integrations._hf.layout``); an FSDP2 model's too with ``pretrained=True`` (its full
+tensors gathered for the save; by default its shards are saved as DTensors). Retention (``save_total_limit``, the best checkpoint by
 ``metric_for_best_model``) runs only after the commit. A SIGTERM on any rank makes every rank
 save the same step and stop. ``save_model`` of an FSDP2 model writes ``from_pretrained``-loadable
 safetensors without gathering the weights on one rank.
@@ -58,7 +59,7 @@ from ..errors import (
 )
 from ._hf import common
 from ._hf import deepspeed as ds
-from ._hf.layout import pretrained_layout
+from ._hf.layout import full_view, gather_full, pretrained_layout
 
 T = TypeVar("T", bound=type)
 
@@ -161,8 +162,11 @@ class SafeckptTrainerMixin(Trainer):
     committed in the background, while the next steps train) and ``safeckpt_pretrained``
     (``None``, the default: each ``checkpoint-N`` of a DDP or one-process model is also a
     Hugging Face model directory, the weights written once as ``save_pretrained`` lays them out;
-    ``False``: the model in safeckpt's own files only; ``True``: required, an error where it
-    cannot be done); ``safeckpt_max_shard_size`` (``save_pretrained``'s ``max_shard_size`` for
+    an FSDP2 model keeps its DTensor shards; ``False``: the model in safeckpt's own files only;
+    ``True``: required, an error where it cannot be done, and for an FSDP2 model the opt-in:
+    every rank gathers the full tensors for each save (one all-gather per tensor, a full copy
+    of the model in host memory per rank while the save runs) and they are written once, as
+    ``save_pretrained``'s files); ``safeckpt_max_shard_size`` (``save_pretrained``'s ``max_shard_size`` for
     those files, default its own, 50GB: past it ``model-0000k-of-0000n.safetensors`` and
     ``model.safetensors.index.json``, the shards spread over the ranks).
     """
@@ -626,7 +630,9 @@ class SafeckptTrainerMixin(Trainer):
         extra[STATE_FILE] = (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)
                              + "\n").encode("utf-8")
         hook = ds.engine_files(self.model_wrapped, exclude_frozen=self._safeckpt_peft()) if ds.enabled(self) else None
-        named, small = self._safeckpt_pretrained_layout()
+        named, small, view = self._safeckpt_pretrained_layout()
+        if view is not None:  # FSDP2, opted in: the gathered tensors the named files hold
+            state["model"] = view
         for name, data in small.items():  # config.json, generation_config.json, adapter_config.json, ...
             if _EXTRA_OK.match(name) and name not in extra:
                 extra[name] = data
@@ -634,44 +640,46 @@ class SafeckptTrainerMixin(Trainer):
         if info is not None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
 
-    def _safeckpt_pretrained_layout(self) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes]]:
+    def _safeckpt_pretrained_layout(self) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes], Any]:
         """The model's files as ``Trainer._save`` (``save_pretrained``) lays them out, for this
-        save: ({file: {name in file: key}}, the small files beside them on rank 0), or (None, {})
-        where the checkpoint keeps the model in safeckpt's own files (DeepSpeed, FSDP2, opted out)."""
+        save: ({file: {name in file: key}}, the small files beside them on rank 0, the model entry
+        to save or None for the model itself), or (None, {}, None) where the checkpoint keeps the
+        model in safeckpt's own files (DeepSpeed, FSDP2 unless opted in, opted out). An FSDP2
+        model with ``safeckpt_pretrained=True``: every rank gathers the full tensors (collective),
+        the files hold them, and the model entry is a view with those in place of the shards."""
         want = self.safeckpt_pretrained
         if "://" in str(self.safeckpt_root or self.args.output_dir):  # an object store: token names there
             if want:
                 raise CheckpointError("safeckpt_pretrained=True with an object-store root: named files "
                                       "need a filesystem checkpoint directory")
-            return None, {}
+            return None, {}, None
         if want is False or ds.enabled(self):
             if want and ds.enabled(self):
                 raise CheckpointError("safeckpt_pretrained=True with DeepSpeed: the model lives in the "
                                       "engine's own checkpoint; export it with trainer.save_model()")
-            return None, {}
+            return None, {}, None
         model = self._safeckpt_model()
+        full = None
         if common.is_sharded(model):
-            if want:
-                raise CheckpointError(
-                    "safeckpt_pretrained=True with an FSDP2-sharded model: a Hugging Face model directory "
-                    "needs the full tensors, which safeckpt does not gather inside a checkpoint. Export "
-                    "with trainer.save_model() (written from the shards, never gathered on one rank).")
-            return None, {}
+            if not want:  # the default for FSDP2: shards as DTensors, never gathered
+                return None, {}, None
+            full = gather_full(model)  # collective: the full tensors on every rank's CPU
         small: dict[str, bytes] = {}
 
         def write(d: str) -> None:  # Trainer's _save, with save_pretrained's shard size where set
             inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
             if self.safeckpt_max_shard_size is None or not hasattr(inner, "save_pretrained"):
-                self._save(d)
+                self._save(d, state_dict=full)
                 return
-            inner.save_pretrained(d, max_shard_size=self.safeckpt_max_shard_size)
+            inner.save_pretrained(d, state_dict=full, max_shard_size=self.safeckpt_max_shard_size)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(d)
 
         def on_rank0() -> dict[str, Any]:
             # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md),
             # rewritten at every save and no part of what from_pretrained reads.
-            files, files_small, why = pretrained_layout(model, "model", write, skip=(TRAINING_ARGS, "README.md"))
+            files, files_small, why = pretrained_layout(model, "model", write, skip=(TRAINING_ARGS, "README.md"),
+                                                        sd=full)
             small.update(files_small)
             return {"files": files, "why": why}
 
@@ -685,8 +693,9 @@ class SafeckptTrainerMixin(Trainer):
                 warnings.warn(f"checkpoints hold the model in safeckpt's own files, not as model.safetensors "
                               f"({out['why']}); export with trainer.save_model() for from_pretrained",
                               SafeckptWarning, stacklevel=3)
-            return None, {}
-        return out["files"], small
+            return None, {}, None
+        view = full_view(model, "model", full, out["files"]) if full is not None else None
+        return out["files"], small, view
 
     def _safeckpt_eval_metric(self, name: str | None, step: int) -> float | None:
         if not name:
@@ -738,7 +747,8 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
     """``trainer_cls`` (Trainer, SFTTrainer, any Trainer subclass) with safeckpt checkpoints.
 
     ``pretrained``, ``max_shard_size``: see ``SafeckptTrainerMixin.safeckpt_pretrained`` (default:
-    every ``checkpoint-N`` of a DDP or one-process model is also a ``from_pretrained`` directory).
+    every ``checkpoint-N`` of a DDP or one-process model is also a ``from_pretrained`` directory;
+    ``pretrained=True`` makes an FSDP2 model's checkpoints one too, its tensors gathered).
 
     ``async_save=True``: each save blocks training only while the state is copied aside; it is
     written and committed in the background (the next save, ``load_best_model_at_end`` and the

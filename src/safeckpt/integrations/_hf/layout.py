@@ -15,6 +15,14 @@ written once, into those files, inside the one atomic commit.
 When a tensor ``save_pretrained`` would write is not one of the model's own (a conversion built
 a new one), the layout is not used (None, with the reason): the checkpoint then holds the model
 in safeckpt's own files, as before.
+
+An FSDP2 (DTensor) model, where the caller opts in: :func:`gather_full` gives every rank the
+full tensors (one all-gather per tensor, each moved to the CPU as it arrives), the recorded
+``save_pretrained`` runs on that state dict (transformers' own gather and barrier switched off:
+it runs on rank 0 alone), and :class:`FullView` is what the save is handed for the model: the
+full tensors the files hold, the model's DTensors for the rest. The checkpoint then holds the
+model once, in ``save_pretrained``'s files (replicated tensors, each file written by one rank);
+a resume reads each rank's shard out of them.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-from ...format.tree import escape_key, unwrap_module
+from ...format.tree import escape_key, is_dtensor, unwrap_module
 
 MAX_SMALL_FILE = 64 << 20  # a file save_pretrained writes beside the weights, taken into the commit
 
@@ -84,13 +93,101 @@ def _quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def pretrained_layout(model: Any, entry: str, write: Callable[[str], None], skip: tuple[str, ...] = ()
+@contextlib.contextmanager
+def _no_distributed_gather(model: Any) -> Iterator[None]:
+    """``save_pretrained`` of a model sharded by transformers (``DistributedConfig``) gathers the
+    full state dict itself (a collective, replacing the ``state_dict`` passed in) and ends with a
+    barrier; on rank 0 alone, with the gathered state dict passed in, both are switched off."""
+    names = [n for n in ("gather_sharded_state_dict_for_save", "barrier_after_gathered_checkpoint_save")
+             if callable(getattr(model, n, None))]
+
+    def keep(model_to_save: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        return state_dict
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    for n in names:
+        object.__setattr__(model, n, keep if n.startswith("gather") else nothing)
+    try:
+        yield
+    finally:
+        for n in names:
+            model.__dict__.pop(n, None)
+
+
+def gather_full(model: Any) -> dict[str, torch.Tensor]:
+    """Every rank (collective): the model's state dict with each DTensor replaced by its full
+    tensor, on the CPU (one all-gather per tensor in state-dict order, the same on every rank; a
+    tensor under several names, tied weights, gathered once and shared). Holds one full copy of
+    the model's sharded tensors in host memory until dropped."""
+    sd = unwrap_module(model).state_dict()
+    full: dict[str, Any] = {}
+    seen: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, t in sd.items():
+            if is_dtensor(t):
+                if id(t) not in seen:
+                    g = t.full_tensor()
+                    seen[id(t)] = g if g.device.type == "cpu" else g.to("cpu")
+                full[name] = seen[id(t)]
+            else:
+                full[name] = t
+    return full
+
+
+class FullView(nn.Module):
+    """The model as a save sees it: its state dict is ``sd`` (full tensors where the named files
+    hold them, the model's own tensors elsewhere); parameters and buffers are the model's (so an
+    optimizer over its DTensors is still keyed by parameter name). Save only."""
+
+    def __init__(self, model: nn.Module, sd: Mapping[str, Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_sc_module", unwrap_module(model))
+        object.__setattr__(self, "_sc_sd", dict(sd))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return dict(self._sc_sd)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise TypeError("FullView is a save-only view of a model")
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        return self._sc_module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        return self._sc_module.parameters(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        return self._sc_module.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        return self._sc_module.buffers(recurse)
+
+    def __repr__(self) -> str:
+        return f"FullView({type(self._sc_module).__name__})"
+
+
+def full_view(model: Any, entry: str, full: Mapping[str, Any], files: Mapping[str, Mapping[str, str]]) -> FullView:
+    """:class:`FullView` of ``model``: the tensors ``files`` (a layout from :func:`pretrained_layout`
+    over ``full``) names are the full ones; every other entry stays the model's own (its DTensor
+    shards, saved as such). Gathered tensors no file names are dropped here."""
+    named = {key for names in files.values() for key in names.values()}
+    sd = unwrap_module(model).state_dict()
+    return FullView(model, {name: full[name] if f"{escape_key(entry)}/{escape_key(name)}" in named else t
+                            for name, t in sd.items()})
+
+
+def pretrained_layout(model: Any, entry: str, write: Callable[[str], None], skip: tuple[str, ...] = (),
+                      sd: Mapping[str, Any] | None = None
                       ) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes], str]:
     """Run ``write(scratch_dir)`` (a ``save_pretrained`` of ``model``) with its safetensors
     writes recorded: (``{file: {name in file: key}}`` or None, the other files it wrote, why the
     layout is None). ``entry``: the state entry the model is saved under; ``skip``: files it
-    writes that are left out (Trainer's pickled ``training_args.bin``). Rank 0 only."""
-    sd = unwrap_module(model).state_dict()
+    writes that are left out (Trainer's pickled ``training_args.bin``); ``sd``: the state dict
+    ``write`` passes to ``save_pretrained`` (:func:`gather_full`'s; default the model's own),
+    whose tensors the recorded ones are matched to. Rank 0 only."""
+    sd = unwrap_module(model).state_dict() if sd is None else sd
     by_ident: dict[tuple, str] = {}
     for name, t in sd.items():
         if isinstance(t, torch.Tensor):
@@ -98,7 +195,7 @@ def pretrained_layout(model: Any, entry: str, write: Callable[[str], None], skip
     calls: list[tuple[str, dict[str, torch.Tensor], dict[str, str] | None]] = []
     tmp = tempfile.mkdtemp(prefix="safeckpt-hf-layout-")
     try:
-        with _recording(calls), _quiet():
+        with _recording(calls), _quiet(), _no_distributed_gather(unwrap_module(model)):
             write(tmp)
         small: dict[str, bytes] = {}
         for dirpath, _, names in os.walk(tmp):

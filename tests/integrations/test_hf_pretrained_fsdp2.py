@@ -1,0 +1,142 @@
+"""Issue 30 item 3 on a real 2-rank FSDP2 Trainer job (torchrun, gloo on 127.0.0.1, CPU, hard timeout).
+
+A tiny Llama sharded by transformers at load time (``DistributedConfig(fsdp_size=2)``, i.e.
+``fully_shard``) trains under ``with_safeckpt(Trainer, pretrained=True, max_shard_size=...)``:
+``checkpoint-N`` holds the model gathered once, as ``save_pretrained`` lays it out (shards written
+by both ranks, nothing of the model in safeckpt's rank files, the optimizer still DTensor shards);
+``from_pretrained(checkpoint-N)`` gives the trained model's full tensors; a resume from
+``checkpoint-3`` in new trainers is bit-exact at step 6 (losses, every rank's shards and RNG);
+``safeckpt verify`` (the console script) passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+
+import safeckpt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "hf_pretrained_fsdp2.py")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import hf_tiny as tiny  # noqa: E402
+
+from tests.helpers.hf_layout import assert_same_shards, tensors  # noqa: E402
+
+LAUNCH_TIMEOUT = 300
+SHARD = "40KB"  # as the script's
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[str, dict]:
+    from tests.helpers.dist_harness import free_port
+
+    out = str(tmp_path_factory.mktemp("fsdp2"))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), SCRIPT, out]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun job hung (> {LAUNCH_TIMEOUT}s):\n{log[-6000:]}")
+    assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
+    with open(os.path.join(out, "result.json")) as f:
+        return out, json.load(f)
+
+
+def _load(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_fsdp2_checkpoint_is_save_pretrained_layout_written_by_both_ranks(job, tmp_path) -> None:
+    out, result = job
+    straight = result["straight"]
+    assert straight["global_step"] == 6
+    assert len(straight["sharded"]) >= 19  # every parameter is a DTensor: the model trained sharded
+
+    from transformers import LlamaForCausalLM
+
+    ckpt = os.path.join(out, "straight", "checkpoint-6")
+    full = _load(os.path.join(out, "straight", "full.safetensors"))
+    # The reference: stock save_pretrained of the same (full) weights, with the same shard size.
+    ref_model = LlamaForCausalLM.from_pretrained(os.path.join(out, "tiny-llama"))
+    ref_model.load_state_dict(full)
+    ref = str(tmp_path / "ref")
+    ref_model.save_pretrained(ref, max_shard_size=SHARD)
+    shards = assert_same_shards(ckpt, ref)
+    assert len(shards) >= 3, shards
+    assert {"config.json", "generation_config.json", "trainer_state.json"} <= set(os.listdir(ckpt))
+    assert not {"optimizer.pt", "scheduler.pt", "training_args.bin", "pytorch_model.bin"} & set(os.listdir(ckpt))
+
+    man = json.load(open(os.path.join(ckpt, "manifest.json")))
+    assert man["world_size"] == 2
+    assert {man["files"][n]["writer"] for n in shards} == {0, 1}  # the shards are spread over the ranks
+    for n in ("rank-00000.safetensors", "rank-00001.safetensors"):  # the model's bytes once, in the shards
+        assert not any(k.startswith("model/") for k in tensors(os.path.join(ckpt, n)))
+    from safeckpt.engine.reader import open_manifest
+
+    recs = open_manifest(ckpt)["tensors"]
+    model_keys = [k for k in recs if k.startswith("model/")]
+    assert len(model_keys) == len(full) and all(recs[k]["scope"] == "replicated" for k in model_keys)
+    opt = [k for k in recs if k.startswith("optimizer/state/")]
+    assert opt and any(recs[k]["scope"] == "sharded" for k in opt)  # the optimizer stays DTensor shards
+
+    # from_pretrained(checkpoint-N) is the trained model's full tensors, bit for bit
+    loaded = LlamaForCausalLM.from_pretrained(ckpt).state_dict()
+    assert _equal({k: loaded[k] for k in full}, full)
+    early = LlamaForCausalLM.from_pretrained(os.path.join(out, "straight", "checkpoint-3")).state_dict()
+    assert not all(torch.equal(early[k], full[k]) for k in full)  # it trained in between
+
+    exe = os.path.join(os.path.dirname(sys.executable), "safeckpt")
+    for c in (ckpt, os.path.join(out, "straight", "checkpoint-3"), os.path.join(out, "resumed", "checkpoint-6")):
+        assert safeckpt.verify(c).ok
+        proc = subprocess.run([exe, "verify", c], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_fsdp2_resume_from_model_directory_is_bit_exact(job) -> None:
+    out, result = job
+    straight, resumed = result["straight"], result["resumed"]
+    assert resumed["global_step"] == 6
+    assert sorted(resumed["losses"], key=int) == ["4", "5", "6"]
+    assert all(resumed["losses"][s] == straight["losses"][s] for s in resumed["losses"])
+    a, b = (os.path.join(out, n) for n in ("straight", "resumed"))
+    assert _equal(_load(os.path.join(a, "full.safetensors")), _load(os.path.join(b, "full.safetensors")))
+    for r in (0, 1):  # each rank's own shards and its RNG
+        assert _equal(_load(os.path.join(a, f"shards-rank{r}.safetensors")),
+                      _load(os.path.join(b, f"shards-rank{r}.safetensors")))
+        assert _equal(_load(os.path.join(a, f"rng-rank{r}.safetensors")),
+                      _load(os.path.join(b, f"rng-rank{r}.safetensors")))
+    # the resumed run's own checkpoint is the same model directory (optimizer state included)
+    ra, rb = safeckpt.read_state_dict(os.path.join(a, "checkpoint-6")), safeckpt.read_state_dict(
+        os.path.join(b, "checkpoint-6"))
+    skip = ("trainer_state/", "rng/")
+    keys = [k for k in ra if not k.startswith(skip)]
+    assert keys and [k for k in rb if not k.startswith(skip)] == keys
+    for k in keys:
+        va, vb = ra[k], rb[k]
+        assert (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb), k
