@@ -33,6 +33,12 @@ Then:
 - a fresh restart of the job (same world size) restores the newest valid step bit-exactly
   (tensors, per-rank RNG) and saves one more.
 
+``--tier`` runs the node-local tier's matrix instead (``tests/stress/kill_tier.py``: simulated
+nodes with their own ``local_dir``, ``replicas=1``, ``durable_every=2``; kill points at every
+step of the local write, replication, publish, drain to root and the tiered restore; the
+restart must restore exactly the newest step complete on some tier); ``--cycle`` draws each of
+its points in turn.
+
 Exit status 1 if any trial had a bad outcome.
 """
 
@@ -52,7 +58,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tests.stress import kill_inject
+from tests.stress import kill_inject, kill_tier
 from tests.stress.kill_inject import (
     AFTER_PUBLISH,
     OVERWRITE_POINTS,
@@ -126,11 +132,12 @@ def _read_json(path: str) -> Any:
 
 
 def run_job(ctx: Any, job: str, spec: dict[str, Any], root: str, trial_dir: str,
-            slack: float) -> dict[str, Any]:
-    """Run one job's ranks; stop them if a survivor outlives ``kill + timeout + slack``."""
+            slack: float, target: Callable[..., None] | None = None) -> dict[str, Any]:
+    """Run one job's ranks (``target``: the worker, ``kill_inject.worker`` unless told); stop
+    them if a survivor outlives ``kill + timeout + slack``."""
     world = spec["world"]
     port = free_port()
-    procs = [ctx.Process(target=kill_inject.worker, args=(job, r, world, port, spec, root, trial_dir))
+    procs = [ctx.Process(target=target or kill_inject.worker, args=(job, r, world, port, spec, root, trial_dir))
              for r in range(world)]
     started = time.time()
     for p in procs:
@@ -343,14 +350,15 @@ def make_seeds(ctx: Any, worlds: Sequence[int], workdir: str, timeout: float) ->
 
 def context() -> Any:
     ctx = mp.get_context("forkserver")  # fresh processes per job, without re-importing torch
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "safeckpt", "tests.stress.kill_inject"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "safeckpt", "tests.stress.kill_inject",
+                                "tests.stress.kill_tier"])
     return ctx
 
 
 def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 10.0,
                worlds: Sequence[int] = (2, 3, 4), points: Sequence[str] | None = None,
                only: Sequence[int] | None = None, overwrite: bool = False,
-               environment: dict[str, Any] | None = None,
+               environment: dict[str, Any] | None = None, tier: bool = False, cycle: bool = False,
                **kwargs: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run trials ``0..trials-1`` (or ``only``) of ``seed``; return (summary, per-trial results)."""
     indices = list(only) if only else list(range(trials))
@@ -358,7 +366,10 @@ def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 
     # "plain_torchrun" (TORCHELASTIC_RUN_ID=none: the lease tells jobs apart by a token),
     # "second_manager" (a second async manager in each process, saving every step too),
     # "mesh2d" (the model's tensors are DTensors on a 2x2 mesh; 4 ranks)
-    specs = [{**sample(seed, i, timeout, worlds, points, overwrite), **(environment or {})} for i in indices]
+    if tier:  # the node-local tier's phases (kill_tier): its own layouts and points
+        specs = [kill_tier.sample(seed, i, timeout, list(points) if points else None, cycle=cycle) for i in indices]
+    else:
+        specs = [{**sample(seed, i, timeout, worlds, points, overwrite), **(environment or {})} for i in indices]
     return run_specs(specs, seed=seed, timeout=timeout, slack=slack, **kwargs)
 
 
@@ -372,16 +383,26 @@ def run_specs(specs: Sequence[dict[str, Any]], *, seed: int, timeout: float, sla
     results = []
     t0 = time.time()
     try:
-        seeds = make_seeds(ctx, [s["world"] for s in specs], workdir, timeout)
+        seeds = make_seeds(ctx, [s["world"] for s in specs if not s.get("tier")], workdir, timeout)
+        tier_seeds = kill_tier.make_seeds(ctx, {(s["nodes"], s["per_node"]) for s in specs if s.get("tier")},
+                                          workdir, timeout, run_job)
         for n, spec in enumerate(specs, 1):
-            res = run_trial(ctx, spec, seeds, workdir, slack)
+            if spec.get("tier"):
+                res = kill_tier.run_trial(ctx, spec, tier_seeds, workdir, slack, run_job)
+            else:
+                res = run_trial(ctx, spec, seeds, workdir, slack)
             results.append(res)
             ttes = [s["tte"] for s in res["survivors"].values() if "tte" in s]
+            layout = (f" {spec['nodes']}x{spec['per_node']}{' lose-node' if spec['lose_node'] else ''}"
+                      if spec.get("tier") else "")
             log(f"[{n}/{len(specs)} {time.time() - t0:.0f}s] trial {spec['trial']} {spec['point']} "
-                f"w={spec['world']} {spec['mode']} victim={spec['victim']} {spec['method']}: "
+                f"w={spec['world']}{layout} {spec['mode']} victim={spec['victim']} {spec['method']}: "
                 f"{'OK' if not res['problems'] else 'BAD'} tte={max(ttes, default=0):.1f}s"
                 + "".join(f"\n    {p}" for p in res["problems"]))
-            if not res["problems"] or not keep:
+            if res["problems"] and keep and spec.get("tier"):  # every tier trial runs at one path
+                shutil.rmtree(res["dir"] + f"-{spec['trial']:05d}", ignore_errors=True)
+                os.rename(res["dir"], res["dir"] + f"-{spec['trial']:05d}")
+            elif not res["problems"] or not keep:
                 shutil.rmtree(res["dir"], ignore_errors=True)
     finally:
         if own and not keep:
@@ -426,6 +447,11 @@ def summarize(results: list[dict[str, Any]], *, seed: int, timeout: float, slack
         "misleading": sum(bool(s.get("misleading")) for s in survivors),
         "outcome_unknown": sum(bool(s.get("unknown")) for s in survivors),
         "restart_failed": sum(bool(r.get("restart_failed")) for r in results),
+        "torn_local": sum(bool(r.get("local", {}).get("torn")) for r in results),
+        "lose_node": sum(bool(r["spec"].get("lose_node")) for r in results),
+        "two_nodes_gone": sum(r.get("nodes_gone", 0) > 1 for r in results),
+        "layouts": dict(sorted(count(f"{r['spec']['nodes']}x{r['spec']['per_node']}" for r in results
+                                     if r["spec"].get("tier")).items())),
         "no_kill": sum(not r["killed"] for r in results),
         "max_tte": max(ttes, default=0.0),
         "late": sum(t > timeout + 2.0 for t in ttes),
@@ -461,6 +487,10 @@ def table_markdown(s: dict[str, Any], command: str) -> str:
         (f'failed retention: errors saying "{RETENTION_ONLY}"', f"{s['retention_only']} of {s['raise_reports']}"),
         ("restarts not restoring the newest valid checkpoint bit-exactly", s["restart_failed"]),
         ("unexpected hidden entries in the root", s["odd_hidden"]),
+        *([("nodes x ranks per node", fmt(s["layouts"])),
+           ("victim's node directory wiped after the kill (node lost)", s["lose_node"]),
+           ("of which a second node's copies were gone too (more than replicas=1 covers)", s["two_nodes_gone"]),
+           ("**torn local files under a published step name**", s["torn_local"])] if s["layouts"] else []),
         (f"max time from kill to a survivor's error (timeout {s['timeout']:g} s)", f"{s['max_tte']:.1f} s"),
         ("survivor errors later than timeout + 2 s after the kill", s["late"]),
     ]
@@ -502,6 +532,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the model's tensors are DTensors on a 2x2 device mesh (implies --worlds 4)")
     ap.add_argument("--second-manager", action="store_true",
                     help="each process also saves every step through a second async manager (another root)")
+    ap.add_argument("--tier", action="store_true",
+                    help="the node-local tier (local_dir, replicas=1, durable_every=2) on simulated nodes; "
+                         "kill points of tests/stress/kill_tier.py (local write, replicate, publish, drain, "
+                         "tiered restore)")
+    ap.add_argument("--cycle", action="store_true",
+                    help="with --tier: trial i kills at point i modulo the number of points (each in turn)")
     args = ap.parse_args(argv)
     environment: dict[str, Any] = {}
     if args.nofile:
@@ -514,14 +550,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment["mesh2d"] = True
         args.worlds = "4"
     points = [p for p in args.points.split(",") if p]
-    unknown = set(points) - set(POINTS)
+    known = kill_tier.TIER_POINTS if args.tier else POINTS
+    unknown = set(points) - set(known)
     if unknown:
-        ap.error(f"unknown kill points {sorted(unknown)}; known: {', '.join(POINTS)}")
+        ap.error(f"unknown kill points {sorted(unknown)}; known: {', '.join(known)}")
     summary, results = run_matrix(
         args.trials, args.seed, timeout=args.timeout, slack=args.slack,
         worlds=[int(w) for w in args.worlds.split(",")], points=points or None,
         only=[int(i) for i in args.only.split(",") if i], workdir=args.workdir, keep=args.keep,
-        overwrite=args.overwrite, environment=environment,
+        overwrite=args.overwrite, environment=environment, tier=args.tier, cycle=args.cycle,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     command = f".venv/bin/python -m tests.stress.kill_matrix --trials {args.trials} --seed {args.seed}"
@@ -539,6 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += " --second-manager"
     if args.mesh2d:
         command += " --mesh2d"
+    if args.tier:
+        command += " --tier" + (" --cycle" if args.cycle else "")
     if args.workdir:
         command += f" --workdir {args.workdir}"
     table = table_markdown(summary, command)
