@@ -99,7 +99,7 @@ def _files(d: str) -> dict:
 
 def test_extra_files_and_named_on_the_local_tier(tmp_path):
     import safeckpt
-    from safeckpt.engine.local_tier import tier_tag
+    from safeckpt.engine.local_tier import tier_tag, tier_url
 
     root, nodes, plain = tmp_path / "root", tmp_path / "nodes", tmp_path / "plain"
     outs = dist_harness.run(_job, NODES, str(root), str(nodes), str(plain), "save", timeout=150)
@@ -146,7 +146,7 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
         v = o.value
         assert v["restored"] == [11, True], v
         assert v["files"] == {k: b.decode() for k, b in _extras(11).items()}, v
-        assert v["path"] == str(nodes / f"node{o.rank}" / tag / "step-0000000011")
+        assert v["path"] == tier_url(tag, 11)
         notes = [w for w in v["warnings"] if "failed verification" in w]
         assert notes == [f"restore of step 11: the copy of trainer_state.json on node-{step11.index(damaged)} "
                          "failed verification; taking it from another copy"], v["warnings"]

@@ -43,6 +43,7 @@ from .errors import (
     StorageError,
 )
 from .format.manifest import MANIFEST, CheckpointInfo
+from .format.step_names import step_from_name
 from .retention import RetentionPolicy
 from .storage.base import join, resolve, storage_for
 from .storage.catalog import (
@@ -98,7 +99,10 @@ class CheckpointManager:
             number; None: only on preemption and at close).
         replicas: with ``local_dir``: copies of each rank's file on other nodes.
         check_finite: refuse to commit (on any tier) a step whose floating tensors hold NaN or
-            Inf; the error names them.
+            Inf; the error names them. True checks every tensor; a collection of state entry
+            names checks only the tensors under those entries (and named files'), for states
+            whose bookkeeping legitimately holds Inf (Lightning's ``ModelCheckpoint`` keeps
+            ``kth_value = inf``).
         keep_local: with ``local_dir``: the newest steps each node keeps (never the newest).
         local_max_bytes: with ``local_dir``: a byte budget for a node's copies of this run;
             past it the oldest local steps go first.
@@ -124,7 +128,7 @@ class CheckpointManager:
         local_dir: str | os.PathLike[str] | None = None,
         durable_every: int | None = 10,
         replicas: int = 0,
-        check_finite: bool = False,
+        check_finite: bool | Iterable[str] = False,
         keep_local: int | None = 2,
         local_max_bytes: int | None = None,
     ) -> None:
@@ -150,7 +154,9 @@ class CheckpointManager:
         # Dropped without close() (a trainer or accelerator garbage collected): release the
         # lease and the signal handlers all the same, so a new manager on this root can write.
         self._finalizer = weakref.finalize(self, _abandon, self._lock, self._watcher)
-        self.check_finite = bool(check_finite)
+        self.check_finite: bool | frozenset[str] = (
+            bool(check_finite) if isinstance(check_finite, bool) or check_finite is None
+            else frozenset(str(e) for e in check_finite))
         self._tier: NodeDir | None = None
         if local_dir is not None:
             if durable_every is not None and (not isinstance(durable_every, int) or durable_every < 1):
@@ -272,10 +278,13 @@ class CheckpointManager:
 
     @property
     def restored_path(self) -> str | None:
-        """Where this rank's last :meth:`restore` read the step it loaded: root's checkpoint
-        (``root/step-N``), or, restored from the local tier, this node's directory of the step
-        (a complete checkpoint on every node after the restore: data, named and extra files,
-        each verified). None before a restore, or when it found nothing."""
+        """The checkpoint the last :meth:`restore` loaded, as a location for ``safeckpt.load``,
+        ``safeckpt.read_state_dict`` or :func:`safeckpt.engine.reader.open_manifest` (the same
+        string on every rank): root's checkpoint, or, restored from the local tier, a
+        ``safeckpt-tier://`` location that each process reads from its own node's complete,
+        verified copy of the step (valid in this process). Frameworks that load in two steps
+        (the model now, the optimizers after setup) load the second from here. None before a
+        restore, or when it found nothing."""
         return self._restored_at[1] if self._restored_at is not None else None
 
     def restored_files(self) -> dict[str, bytes]:
@@ -335,6 +344,7 @@ class CheckpointManager:
         extra_files: Mapping[str, bytes] | None = None,
         write_files: WriteFiles | None = None,
         named: NamedLayout | None = None,
+        name: str | None = None,
     ) -> CheckpointInfo | None:
         """Save ``state`` as ``step`` (collective). Returns its info, or None with async_save
         (the save then commits in the background; ``wait()`` returns its info).
@@ -352,10 +362,20 @@ class CheckpointManager:
 
         ``named`` (a :class:`~safeckpt.engine.request.NamedLayout`; filesystem roots): some
         tensors laid out as safetensors files under the caller's names inside the checkpoint
-        (Hugging Face's ``model.safetensors``), written once, committed with the rest."""
+        (Hugging Face's ``model.safetensors``), written once, committed with the rest.
+
+        ``name``: the checkpoint's directory name under root for this step, instead of the
+        ``dirname`` pattern's, for frameworks that name checkpoints themselves (Lightning's
+        ``epoch=E-step=S.ckpt``). A name that holds a step (see :mod:`safeckpt.format.step_names`)
+        must hold this one; restore and retention find a checkpoint by the step in its name, so
+        one named without a step (``last.ckpt``) is left to the framework that named it."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")
+                                 or step_from_name(name) not in (None, step)):
+            raise ValueError(f"name {name!r}: not a plain directory name, or it holds another step than {step} "
+                             "(safeckpt.format.step_names)")
         self.wait()  # one save in flight; raises the previous background save's error
         if write_files is not None and self._saver is not None:
             raise CheckpointError(
@@ -369,8 +389,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     "named files (model.safetensors) need a filesystem root: they keep their names "
                     "inside the checkpoint, published by its rename (not on an object store)")
-            return self._save_tiered(step, state, metrics, metadata, extra_files or {}, named)
-        path = join(self.root, self.dirname.format(step))
+            return self._save_tiered(step, state, metrics, metadata, extra_files or {}, named, name)
+        path = join(self.root, name or self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
                               metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
                               frozen=self.frozen, named=named)
@@ -385,13 +405,13 @@ class CheckpointManager:
             with paused_gc():  # the caller waits for all of it (see SaveJob.run)
                 job.agree()
                 if self.check_finite:
-                    refuse_non_finite(coord, job, step)
+                    refuse_non_finite(coord, job, step, self.check_finite)
                 return job.finish()
         with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
             job.agree()
             job.snapshot(self._pool)
             if self.check_finite:  # on the staged bytes
-                refuse_non_finite(coord, job, step)
+                refuse_non_finite(coord, job, step, self.check_finite)
         # The background thread agrees on a gloo group of its own, one per root (the same name
         # on every rank, whatever other managers a rank made): two async managers in one process
         # (full state + best model) must not share one, or their threads interleave collectives.
@@ -403,7 +423,7 @@ class CheckpointManager:
     # ----------------------------------------------------------- node-local tier
     def _save_tiered(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
                      metadata: Mapping[str, Any] | None, extra_files: Mapping[str, bytes],
-                     named: NamedLayout | None) -> None:
+                     named: NamedLayout | None, name: str | None) -> None:
         """Agree and copy aside here (the only part that blocks), then in the background: the
         local tier's phases and, on a durable step, the drain to root (``engine.tier``). The
         one request (extra files and named layout included) serves both: a node's step is the
@@ -420,7 +440,7 @@ class CheckpointManager:
         with paused_gc():
             job.agree()
             job.snapshot(self._pool)
-        self._last = {"job": job, "step": step, "durable": False}
+        self._last = {"job": job, "step": step, "durable": False, "name": name}
         last = self._last
         background = self._coord(f"async:{self.root}", what=f"background local save of step {step}")
         protect = {s for s in (self._restored,) if s is not None}
@@ -431,7 +451,7 @@ class CheckpointManager:
             if not durable:
                 return _TierResult(None, done["warnings"])
             try:
-                info = self._drain(background, job, step)
+                info = self._drain(background, job, step, name)
             except StorageError as exc:  # root unreachable: the step is safe on the local tier
                 if done.get("skipped"):
                     raise
@@ -444,8 +464,8 @@ class CheckpointManager:
         self._saver.submit(run, f"step {step}")
         return None
 
-    def _drain(self, coord: Coordinator, job: Any, step: int) -> CheckpointInfo:
-        path = join(self.root, self.dirname.format(step))
+    def _drain(self, coord: Coordinator, job: Any, step: int, name: str | None) -> CheckpointInfo:
+        path = join(self.root, name or self.dirname.format(step))
         return drain(coord, job, self._store, path, lambda: self._begin(True),
                      lambda saved: self._retain(True, saved), step)
 
@@ -455,15 +475,16 @@ class CheckpointManager:
         if last is None or last["durable"] or self._tier is None:
             return
         coord = self._coord(what=f"drain of step {last['step']} to {self.root}")
-        self._drain(coord, last["job"], last["step"])
+        self._drain(coord, last["job"], last["step"], last["name"])
         last["durable"] = True
 
     def _root_side(self) -> dict[str, Any]:
         """Coordinator: root's committed steps and quarantine marks (an unreachable root is a
         warning: the local tier still restores)."""
         try:
-            steps = sorted({e.step for e in committed(self.root, self._store, self._dirnames) if e.step is not None})
-            return {"steps": steps, "quarantine": self._root_quarantine()}
+            entries = [e for e in committed(self.root, self._store, self._dirnames) if e.step is not None]
+            paths = {str(e.step): e.path for e in sorted(entries, key=lambda e: e.path)}
+            return {"steps": sorted({e.step for e in entries}), "paths": paths, "quarantine": self._root_quarantine()}
         except Exception as exc:  # noqa: BLE001 - root is one tier among several
             return {"steps": [], "warnings": [f"root {self.root} could not be listed ({type(exc).__name__}: "
                                               f"{exc}); restoring from the node-local tier only"]}
@@ -478,9 +499,8 @@ class CheckpointManager:
             return {}
         return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
 
-    def _root_file(self, step: int) -> Any:
-        """Dest rank: the bytes of the file of root's ``step`` whose checksum is ``xxh``."""
-        path = join(self.root, self.dirname.format(step))
+    def _root_file(self, path: str) -> Any:
+        """Dest rank: the bytes of the file of root's checkpoint ``path`` whose checksum is ``xxh``."""
 
         def read(xxh: str) -> bytes | None:
             man = self._store.read_manifest(path)
@@ -511,11 +531,11 @@ class CheckpointManager:
                     reasons.append(f"step {cand} (root): {exc}")
                     continue
                 return got
-            root_file = self._root_file(cand) if cand in plan["root"] else None
+            root_file = self._root_file(plan["root_paths"][str(cand)]) if cand in plan["root"] else None
             if restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
                              root_file=root_file, reasons=reasons):
                 self._restored = cand
-                self._restored_at = (NodeTierStorage(self.timeout), tier.step_dir(cand))
+                self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.tag, cand))
                 return cand
             warnings.warn(f"step {cand} could not be restored from any tier ({reasons[-1]}); trying an "
                           "older step", SafeckptWarning, stacklevel=2)

@@ -39,6 +39,7 @@ import xxhash
 
 from ..errors import CheckpointError, SafeckptWarning
 from ..format.manifest import MANIFEST
+from ..format.tree import escape_key
 from ..storage.base import register_backend
 from ..storage.posix import PosixStorage, digest_file, write_bytes_atomic
 
@@ -389,10 +390,15 @@ def replica_targets(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
-def non_finite(items: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the floating tensors among ``items`` that hold NaN or Inf."""
+def non_finite(items: Sequence[tuple[str, torch.Tensor]], entries: Any = True) -> list[str]:
+    """Names of the floating tensors among ``items`` that hold NaN or Inf: all of them, or with
+    ``entries`` a collection of state entry names, those under these entries (a named file's
+    ``@file:name`` items always)."""
     bad = []
+    only = None if entries is True else {escape_key(str(e)) for e in entries}
     for name, t in items:
+        if only is not None and not name.startswith("@") and name.split("/", 1)[0] not in only:
+            continue
         if (t.is_floating_point() or t.is_complex()) and t.numel() and not bool(torch.isfinite(t).all()):
             bad.append(name)
     return bad

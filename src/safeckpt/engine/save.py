@@ -554,9 +554,9 @@ class SaveJob:
     def write_items(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor this rank writes in this save (after :meth:`snapshot`: the staged
         copies), named as the save names them: its data file's items by key, its named files'
-        as ``<file>:<name in file>``."""
+        as ``@<file>:<name in file>`` (``@`` never starts a key)."""
         self._plan()
-        return self.items + [(f"{nf.name}:{n}", t) for nf, its in self.named_items for n, t in its]
+        return self.items + [(f"@{nf.name}:{n}", t) for nf, its in self.named_items for n, t in its]
 
     def write_to(self, staging: dict[str, str]) -> dict[str, Any]:
         """This rank's part of the write phase into ``staging`` (``{"token", "path"}`` on this

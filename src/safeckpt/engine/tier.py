@@ -65,7 +65,7 @@ ROOT = -1  # a fetch source: read the file from root
 # ---------------------------------------------------------------------- save
 
 
-def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: bool,
+def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: Any,
                keep_local: int | None, max_bytes: int | None, protect: set[int]) -> dict[str, Any]:
     """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
     files (its data file and the named files it writes) on its node and their replicas; the
@@ -75,16 +75,16 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     job_staging = job.staging.get("path")
 
     def write() -> dict[str, Any]:
+        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
+            with contextlib.suppress(OSError):
+                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place: not used
         if check_finite:
-            bad = non_finite(job.write_items())
+            bad = non_finite(job.write_items(), check_finite)
             if bad:
                 raise CheckpointError(
                     f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
                     + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
                     + "; the step was not committed on any tier (the previous steps are intact)")
-        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
-            with contextlib.suppress(OSError):
-                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place: not used
         try:
             nd.ensure()
             nd.sweep_partials(keep_token=token)
@@ -182,12 +182,12 @@ def extra_files_of(manifest: bytes, sent: dict[str, str]) -> dict[str, bytes]:
     return out
 
 
-def refuse_non_finite(coord: Coordinator, job: Any, step: int | None) -> None:
+def refuse_non_finite(coord: Coordinator, job: Any, step: int | None, entries: Any = True) -> None:
     """``check_finite`` for a save without the local tier: after the agreement (and the
     snapshot), one exchange of the names of this rank's floating write items that hold NaN/Inf;
     any -> the same CheckpointError on every rank naming them, and the coordinator removes the
     staging place (nothing was written)."""
-    bad = non_finite(job.write_items())
+    bad = non_finite(job.write_items(), entries)
 
     def resolve(reports: list[list[str]]) -> None:
         named = sorted({n for rep in reports for n in rep})
@@ -244,7 +244,7 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
         quarantine.update(root.get("quarantine", {}))
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
         cands = sorted((s for s in steps if str(s) not in quarantine), reverse=True)
-        return {"nodes": nodes, "inv": inv, "root": root["steps"], "cands": cands,
+        return {"nodes": nodes, "inv": inv, "root": root["steps"], "root_paths": root.get("paths", {}), "cands": cands,
                 "quarantine": quarantine, "warnings": root.get("warnings", [])}
 
     return coord.decide("tier-inventory", mine, resolve, hint="Nothing was loaded; the state is unchanged.")

@@ -30,6 +30,7 @@ are synchronous), and ``save_last="link"`` stays Lightning's non-atomic symlink.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import safeckpt
@@ -75,7 +76,7 @@ from ._lightning.format import (
     step_of,
 )
 from ._lightning.preempt import SafeckptPreemption
-from ._lightning.resume import agree_on_checkpoint
+from ._lightning.resume import agree_on_checkpoint, serve_tier_last
 from ._lightning.values import check_hyperparameters, decode, encode
 
 __all__ = [
@@ -172,10 +173,25 @@ class SafeckptStrategyMixin:
     anything is changed (a different base: ``IncompatibleCheckpoint`` naming the tensor) and the
     rest is restored. ``"full"``: frozen parameters are stored like the rest. Sharded (DTensor)
     parameters are always stored (see ``safeckpt.engine.frozen``).
+
+    The fast-recovery tier (docs/concepts/fast-recovery.md), with
+    :class:`~safeckpt.CheckpointManager`'s options: ``local_dir`` (node-local storage),
+    ``durable_every``, ``replicas``, ``keep_local``, ``local_max_bytes``. Every checkpoint
+    Lightning saves goes to the nodes' ``local_dir`` (and ``replicas`` other nodes) in the
+    background; only every ``durable_every``-th step (by global step), and the newest step when
+    training ends (``teardown``), is committed at the path Lightning named (in
+    ``ModelCheckpoint``'s ``dirpath``). ``ckpt_path="last"`` resumes the newest step complete
+    across the nodes' copies and the directory (``ModelCheckpoint(dirpath=...)`` must be given),
+    each file from the nearest verified copy; any other path loads that checkpoint as usual.
+    Lightning's ``save_last`` copy of the step just saved is not saved again. ``check_finite``
+    (with or without ``local_dir``): a checkpoint whose floating tensors hold NaN/Inf is
+    refused, naming them.
     """
 
     def __init__(self, *args: Any, checkpoint_timeout: float | None = None, save_rng: bool = True,
-                 frozen: str = "fingerprint", **kwargs: Any) -> None:
+                 frozen: str = "fingerprint", local_dir: str | os.PathLike[str] | None = None,
+                 durable_every: int | None = 10, replicas: int = 0, keep_local: int | None = 2,
+                 local_max_bytes: int | None = None, check_finite: bool = False, **kwargs: Any) -> None:
         unsupported = {c.__name__ for c in type(self).__mro__} & {"FSDPStrategy", "DeepSpeedStrategy"}
         if unsupported:
             raise TypeError(
@@ -189,6 +205,12 @@ class SafeckptStrategyMixin:
         self.save_rng = save_rng
         self.frozen = _frozen.check_frozen_mode(frozen)
         self._pending: dict[str, Any] | None = None  # the checkpoint whose optimizers load next
+        self.local_dir = os.fspath(local_dir) if local_dir is not None else None
+        self.tier_options = {"durable_every": durable_every, "replicas": replicas, "keep_local": keep_local,
+                             "local_max_bytes": local_max_bytes}
+        self.check_finite = bool(check_finite)
+        self._managers: dict[str, safeckpt.CheckpointManager] = {}  # checkpoint directory -> its manager
+        self._tier_step: int | None = None  # the step the local tier saved last
 
     # Lightning asks the strategy for these while building its dict; the live objects are saved
     # instead, so nothing is gathered or copied (no full state dict on rank 0).
@@ -237,10 +259,80 @@ class SafeckptStrategyMixin:
         state[LIGHTNING] = RankLocal(encode({k: v for k, v in checkpoint.items() if k not in NOT_STORED},
                                             "checkpoint"))
         self._sync_ddp_buffers()
+        if self.local_dir is not None or self.check_finite:
+            self._save_managed(checkpoint, os.fspath(filepath), state, full)
+            return
         safeckpt.save(
             os.fspath(filepath), state, overwrite=True, step=step_of(checkpoint), frozen=self.frozen,
             metadata=metadata(checkpoint, not full), timeout=self.checkpoint_timeout,
         )
+
+    def _manager(self, directory: str) -> safeckpt.CheckpointManager:
+        """The manager of one checkpoint directory (created at its first use, closed at teardown).
+        Lightning's ``ModelCheckpoint`` rotates its checkpoints itself: the manager deletes none."""
+        directory = norm(directory)
+        mgr = self._managers.get(directory)
+        if mgr is None:
+            tier = self.tier_options if self.local_dir is not None else {}
+            mgr = safeckpt.CheckpointManager(
+                directory, timeout=self.checkpoint_timeout, preemption_signals=(), frozen=self.frozen,
+                retention=_KeepAll(), local_dir=self.local_dir, check_finite=self._finite_entries(), **tier)
+            self._managers[directory] = mgr
+        return mgr
+
+    def _finite_entries(self) -> Any:
+        """What ``check_finite`` checks: the module and optimizers, not Lightning's bookkeeping
+        (``ModelCheckpoint`` keeps ``kth_value = inf``) nor the RNG state."""
+        if not self.check_finite:
+            return False
+        return [MODEL, *(optimizer_name(i) for i in range(len(self.optimizers)))]
+
+    def _save_managed(self, checkpoint: Mapping[str, Any], path: str, state: dict[str, Any], full: bool) -> None:
+        """Through a :class:`~safeckpt.CheckpointManager` of the checkpoint's directory: the local
+        tier (a durable step is committed at ``path``), ``check_finite``."""
+        step = step_of(checkpoint)
+        if step is None:
+            raise CheckpointError(f"{path}: the checkpoint has no global_step; local_dir / check_finite need one")
+        if self.local_dir is not None and step == self._tier_step:
+            return  # save_last's copy of the step the tier just saved (nothing new to keep)
+        parent, name = os.path.split(norm(path))
+        mgr = self._manager(parent)
+        mgr.save(step, state, metadata=metadata(checkpoint, not full), name=name)
+        if self.local_dir is not None:
+            self._tier_step = step
+
+    def teardown(self) -> None:
+        """Close the checkpoint managers first (every rank: the newest local step is committed
+        to its directory when training finished; after a failure nothing more is drained)."""
+        managers, self._managers = self._managers, {}
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED  # set before teardown
+        try:
+            for mgr in managers.values():
+                if not failed:
+                    mgr.close()
+                    continue
+                with contextlib.suppress(Exception):  # a rank failed: no collective drain
+                    mgr._last = None
+                    mgr.close()
+        finally:
+            super().teardown()  # type: ignore[misc]
+
+    def resolve_tier_last(self, trainer: Any) -> str | None:
+        """``ckpt_path="last"`` with ``local_dir`` (every rank, after the process group is up):
+        the newest step complete across the nodes' copies and the first ``ModelCheckpoint``'s
+        directory, assembled on every node; its location for the load, or None (nothing saved)."""
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if not dirpath:
+            raise CheckpointError('ckpt_path="last" with local_dir needs ModelCheckpoint(dirpath=...): the '
+                                  "directory whose run the node-local copies belong to")
+        mgr = self._manager(os.fspath(dirpath))
+        step = mgr.restore({}, strict=False)  # verifies and assembles; the load below reads it
+        if step is None:
+            return None
+        self._tier_step = None
+        return mgr.restored_path
 
     def _sync_ddp_buffers(self) -> None:
         """DDP with ``broadcast_buffers`` (the default) replaces every rank's buffers (BatchNorm
@@ -406,6 +498,13 @@ class SafeckptStrategyMixin:
         safeckpt.load(cand["path"], state, strict="entries", timeout=self.checkpoint_timeout)
 
 
+class _KeepAll:
+    """Retention of a Lightning checkpoint directory's manager: none (``ModelCheckpoint`` rotates)."""
+
+    def delete(self, checkpoints: Any, protect: Any = ()) -> list[int]:
+        return []
+
+
 class SafeckptDDPStrategy(SafeckptStrategyMixin, DDPStrategy):
     """``DDPStrategy`` with collective, atomic, in-place safeckpt checkpoints."""
 
@@ -462,3 +561,4 @@ def _serve_pl_load() -> None:
 
 
 _serve_pl_load()
+serve_tier_last(SafeckptStrategyMixin)

@@ -143,3 +143,48 @@ def _listed(sources: Mapping[str, Any]) -> set[str]:
 
 def _describe(path: str, man: Mapping[str, Any]) -> dict[str, Any]:
     return {"path": path, "entries": sorted(man["objects"]), "world_size": int(man.get("world_size", 1))}
+
+
+TIER_LAST = "safeckpt-tier://last"  # ckpt_path="last" of a strategy with local_dir, until resolved
+
+
+def serve_tier_last(mixin: type) -> None:
+    """``ckpt_path="last"`` for a strategy with ``local_dir``: Lightning resolves "last" from the
+    files in the checkpoint directories before the process group exists, so it would start
+    fresh when the newest steps are on the nodes only. Its connector's ``_parse_ckpt_path``
+    returns a placeholder for such a strategy instead, and ``resume_start`` (process group up)
+    has the strategy resolve it (``resolve_tier_last``: the newest step across the tiers) and
+    loads that, or starts fresh when no tier holds a step. Idempotent; other strategies and
+    other requests are Lightning's, unchanged."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    if getattr(_CheckpointConnector._parse_ckpt_path, "_safeckpt", False):
+        return
+    parse, resume = _CheckpointConnector._parse_ckpt_path, _CheckpointConnector.resume_start
+
+    def tiered(connector: Any) -> Any:
+        strategy = connector.trainer.strategy
+        return strategy if isinstance(strategy, mixin) and getattr(strategy, "local_dir", None) else None
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool,
+                         model_connected: bool) -> Any:
+        if ckpt_path == "last" and tiered(self) is not None:
+            return TIER_LAST
+        return parse(self, state_fn, ckpt_path, model_provided=model_provided, model_connected=model_connected)
+
+    def resume_start(self: Any, checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        strategy = tiered(self)
+        if checkpoint_path == TIER_LAST and strategy is not None:
+            checkpoint_path = strategy.resolve_tier_last(self.trainer)
+            if checkpoint_path is None:
+                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+                rank_zero_warn('ckpt_path="last": no checkpoint on any tier (local_dir, peers, the '
+                               "checkpoint directory); training starts fresh")
+                self._ckpt_path = None
+                return
+        resume(self, checkpoint_path, weights_only)
+
+    _parse_ckpt_path._safeckpt = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path
+    _CheckpointConnector.resume_start = resume_start
