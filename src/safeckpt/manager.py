@@ -38,9 +38,11 @@ from .errors import (
     CheckpointError,
     CheckpointNotFound,
     CorruptCheckpoint,
+    RankFailure,
     RankMismatch,
     SafeckptWarning,
     StorageError,
+    StorageUnavailable,
 )
 from .format.manifest import MANIFEST, CheckpointInfo
 from .format.step_names import step_from_name
@@ -452,8 +454,8 @@ class CheckpointManager:
                 return _TierResult(None, done["warnings"])
             try:
                 info = self._drain(background, job, step, name)
-            except StorageError as exc:  # root unreachable: the step is safe on the local tier
-                if done.get("skipped"):
+            except CheckpointError as exc:  # root unreachable: the step is safe on the local tier
+                if done.get("skipped") or not _storage_failure(exc):
                     raise
                 return _TierResult(None, [*done["warnings"], f"step {step} was not committed under {self.root} "
                                           f"({exc}); it is on the node-local tier, and the next durable "
@@ -475,7 +477,14 @@ class CheckpointManager:
         if last is None or last["durable"] or self._tier is None:
             return
         coord = self._coord(what=f"drain of step {last['step']} to {self.root}")
-        self._drain(coord, last["job"], last["step"], last["name"])
+        try:
+            self._drain(coord, last["job"], last["step"], last["name"])
+        except CheckpointError as exc:
+            if not _storage_failure(exc):
+                raise
+            raise StorageUnavailable(
+                f"close: step {last['step']} was not committed under {self.root} (the storage failed: "
+                f"{exc}); it is on the node-local tier, which a restore uses") from exc
         last["durable"] = True
 
     def _root_side(self) -> dict[str, Any]:
@@ -696,6 +705,22 @@ class CheckpointManager:
             self.close()
         except Exception as close_exc:  # keep the original exception primary
             warnings.warn(f"while closing after an error: {close_exc}", SafeckptWarning, stacklevel=2)
+
+
+def _storage_failure(exc: BaseException) -> bool:
+    """The storage failed (root unreachable, refused), on whichever ranks failed: a StorageError,
+    or a RankFailure whose every rank failed with one (the coordinator's own StorageError in a
+    phase's decision arrives as such a RankFailure)."""
+    if isinstance(exc, StorageError):
+        return True
+    if not isinstance(exc, RankFailure) or not exc.failures:
+        return False
+    kinds, todo = set(), [StorageError]
+    while todo:
+        cls = todo.pop()
+        kinds.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return all(line.split(":", 1)[0] in kinds for line in exc.failures.values())
 
 
 def _abandon(lock: Any, watcher: PreemptionWatcher | None) -> None:

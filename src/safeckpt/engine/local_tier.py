@@ -25,6 +25,7 @@ Nodes: ``GROUP_RANK`` (torchrun's node rank) where set, else the host name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -318,15 +319,25 @@ class NodeDir:
                 gone.append(s)
         return gone
 
+    def step_sizes(self) -> list[list[int]]:
+        """[[step, bytes], ...] of the steps this node holds, oldest first."""
+        out = []
+        for s in self.steps():
+            out.append([s, dir_bytes(self.step_dir(s))])
+        return out
+
     def nbytes(self) -> int:
-        total = 0
-        for dirpath, _, files in os.walk(self.base):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except OSError:
-                    pass
-        return total
+        return dir_bytes(self.base)
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, f))
+    return total
 
 
 def describe(path: str) -> list[dict[str, Any]] | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from ..coord.dist import Coordinator, send_recv
-from ..errors import CheckpointError, CorruptCheckpoint
+from ..errors import CheckpointError, CorruptCheckpoint, StorageError
 from ..format.manifest import MANIFEST
 from ..storage import commit as _commit
 from ..storage.base import Storage
@@ -49,6 +50,7 @@ from .local_tier import (
     TIER_FILE,
     NodeDir,
     as_tensor,
+    dir_bytes,
     file_xxh3,
     non_finite,
     read_file,
@@ -85,14 +87,24 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                     f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
                     + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
                     + "; the step was not committed on any tier (the previous steps are intact)")
-        try:
-            nd.ensure()
-            nd.sweep_partials(keep_token=token)
-            os.makedirs(part, exist_ok=True)
-            report = write_local(job, {"token": token, "path": part})
-        except OSError as exc:  # ENOSPC, a RAM disk full: the tier degrades, training goes on
-            return {"node": nd.node, "failed": f"{type(exc).__name__}: {exc}"}
+        for attempt in (0, 1):
+            try:
+                nd.ensure()
+                nd.sweep_partials(keep_token=token)
+                os.makedirs(part, exist_ok=True)
+                report = write_local(job, {"token": token, "path": part})
+                break
+            except (OSError, StorageError) as exc:  # ENOSPC, a RAM disk full: the tier degrades
+                # room from the node's older steps (never its newest, nor a protected one), once
+                older = [s for s in nd.steps()[:-1] if s not in protect]
+                if attempt or not no_space(exc) or not older:
+                    return {"node": nd.node, "failed": f"{type(exc).__name__}: {exc}"}
+                for s in older:
+                    shutil.rmtree(nd.step_dir(s), ignore_errors=True)
         report["node"] = nd.node
+        if max_bytes is not None:  # what the node holds now, for the budget
+            report["held"] = nd.step_sizes()
+            report["base"] = nd.nbytes() - sum(b for _, b in report["held"]) - dir_bytes(part)
         return report
 
     def manifest(written: list[dict[str, Any]]) -> dict[str, Any]:
@@ -101,8 +113,18 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
             return {"skip": failed}
         raw = job.manifest_bytes(job.files_of(written), written)
         nodes = [w["node"] for w in written]
-        return {"manifest": raw.decode(), "files": [job.report_files(w) for w in written],
-                "nodes": nodes, "targets": replica_targets(nodes, replicas),
+        files = [job.report_files(w) for w in written]
+        targets = replica_targets(nodes, replicas)
+        drops: dict[str, list[int]] = {}
+        notes: list[str] = []
+        if max_bytes is not None:
+            held, base = {}, {}
+            for w in written:
+                held.setdefault(w["node"], w["held"])
+                base.setdefault(w["node"], w["base"])
+            drops, notes = fit_budget(nodes, files, targets, held, base, max_bytes, protect)
+        return {"manifest": raw.decode(), "files": files, "nodes": nodes, "targets": targets, "drops": drops,
+                "notes": notes,
                 "extra": {n: base64.b64encode(data).decode() for n, data in sorted(job.extra_files.items())}}
 
     hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
@@ -118,8 +140,13 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     first_tag = [sum(len(f) for f in files[:r]) for r in range(len(files))]  # one tag per file
     me = coord.rank
 
+    first = nodes.index(nd.node) == me  # the node's first rank
+
     def replicate() -> dict[str, Any]:
         sends, recvs, bad = [], [], []
+        if first:  # room for the replicas this node receives (the budget): the oldest steps go
+            for s in d["drops"].get(nd.node, []):
+                shutil.rmtree(nd.step_dir(s), ignore_errors=True)
         if targets.get(me):
             for j, (name, size, xxh) in enumerate(files[me]):
                 path = os.path.join(part, name)
@@ -142,7 +169,15 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 bad.append(f"the replica of {name} (rank {src}) received by rank {me} on {nd.node} does not "
                            "match its checksum: not kept")
                 continue
-            write_bytes_atomic(os.path.join(part, name), view)
+            try:
+                write_bytes_atomic(os.path.join(part, name), view)
+            except OSError as exc:  # ENOSPC: one replica fewer, training goes on
+                for left in [name, *(n for n in os.listdir(part) if n.startswith(f"{name}.tmp-"))]:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(part, left))  # what the failed write left
+                bad.append(f"the replica of {name} (rank {src}) could not be kept on {nd.node} "
+                           f"({type(exc).__name__}: {exc})")
+                continue
             got.append(name)
         return {"got": got, "bad": bad}
 
@@ -156,14 +191,69 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     raw = d["manifest"].encode()
     extras = extra_files_of(raw, d["extra"])
 
-    def publish() -> None:
-        if nodes.index(nd.node) == me:  # the node's first rank
-            own = [f[0] for r, n in enumerate(nodes) if n == nd.node for f in files[r]]
+    def publish() -> list[str]:
+        if not first:
+            return []
+        own = [f[0] for r, n in enumerate(nodes) if n == nd.node for f in files[r]]
+        try:
             nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])), extras)
-            nd.retain(keep_local, max_bytes, protect | {step})
+        except OSError as exc:  # ENOSPC on the manifest: this node lacks the step, as if it were lost
+            shutil.rmtree(part, ignore_errors=True)
+            return [f"not published on {nd.node} ({type(exc).__name__}: {exc}); the other nodes' copies "
+                    "and replicas hold it"]
+        nd.retain(keep_local, max_bytes, protect | {step})
+        return []
 
-    coord.decide("local-publish", publish, lambda _: None, hint=hint)
-    return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in d2["warnings"]]}
+    d3 = coord.decide("local-publish", publish, lambda notes: [n for ns in notes for n in ns], hint=hint)
+    notes = [*d["notes"], *d2["warnings"], *d3]
+    return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in notes]}
+
+
+def no_space(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's chain."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def fit_budget(nodes: list[str], files: list[list[Any]], targets: dict[int, list[int]],
+               held: dict[str, list[list[int]]], base: dict[str, int], max_bytes: int, protect: set[int]
+               ) -> tuple[dict[str, list[int]], list[str]]:
+    """Coordinator, for ``local_max_bytes``: each node must hold its ranks' files of the step in
+    flight, the replicas it receives, the steps it keeps and the run's own records (``base``)
+    within the budget. The oldest
+    steps go first (never a protected one, nor the node's newest until this step is
+    published); what still does not fit is the replicas: the node receives none (``targets``
+    edited in place), with a note. Returns (node -> steps to drop, notes)."""
+    size = {r: sum(f[1] for f in fs) for r, fs in enumerate(files)}
+    drops: dict[str, list[int]] = {}
+    notes: list[str] = []
+    for node in dict.fromkeys(nodes):
+        own = sum(size[r] for r, n in enumerate(nodes) if n == node)
+        senders = [src for src, dsts in targets.items() if any(nodes[d] == node for d in dsts)]
+        incoming = sum(size[src] for src in senders)
+        steps = sorted(held.get(node, []))  # [[step, bytes], ...], oldest first
+        total = own + incoming + sum(b for _, b in steps) + base.get(node, 0)
+        gone = []
+        for s, b in steps[:-1]:
+            if total <= max_bytes:
+                break
+            if s not in protect:
+                gone.append(s)
+                total -= b
+        if gone:
+            drops[node] = gone
+        if total > max_bytes and incoming:
+            for src in senders:
+                targets[src] = [d for d in targets[src] if nodes[d] != node]
+            names = sorted(f[0] for src in senders for f in files[src])
+            notes.append(f"local_max_bytes ({max_bytes} bytes) leaves no room on {node} for the replicas of "
+                         f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''} ({incoming} bytes; "
+                         f"{total - incoming} held): not replicated there")
+    return drops, notes
 
 
 def extra_files_of(manifest: bytes, sent: dict[str, str]) -> dict[str, bytes]:
