@@ -168,6 +168,8 @@ def test_peft_checkpoint_is_an_adapter_directory(tmp_path) -> None:
     trainer.model.save_pretrained(ref)
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(ckpt))
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    # PEFT's model card is the one file of stock's checkpoint-N left out (documented); save_pretrained writes it
+    assert os.path.exists(os.path.join(ref, "README.md")) and not os.path.exists(os.path.join(ckpt, "README.md"))
     assert tensors(os.path.join(ckpt, "adapter_model.safetensors")) == \
         tensors(os.path.join(ref, "adapter_model.safetensors"))
     loaded = PeftModel.from_pretrained(_model(tied=False), ckpt)

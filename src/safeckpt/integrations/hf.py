@@ -169,6 +169,15 @@ class SafeckptTrainerMixin(Trainer):
     ``save_pretrained``'s files); ``safeckpt_max_shard_size`` (``save_pretrained``'s ``max_shard_size`` for
     those files, default its own, 50GB: past it ``model-0000k-of-0000n.safetensors`` and
     ``model.safetensors.index.json``, the shards spread over the ranks).
+
+    The fast-recovery tier (docs/concepts/fast-recovery.md), :class:`~safeckpt.CheckpointManager`'s
+    options as class attributes: ``safeckpt_local_dir`` (node-local storage; None: off),
+    ``safeckpt_durable_every`` (10), ``safeckpt_replicas`` (0), ``safeckpt_keep_local`` (2),
+    ``safeckpt_local_max_bytes`` (None) and ``safeckpt_check_finite`` (False; also without the
+    tier). With ``local_dir`` every save goes to the nodes' ``local_dir``; only every
+    ``durable_every``-th step (by global step), a preemption save and the newest step when
+    ``train()`` returns are committed as ``output_dir/checkpoint-N`` (model directories as
+    above); ``resume_from_checkpoint=True`` resumes the newest step across the tiers.
     """
 
     safeckpt_root: str | None = None
@@ -177,6 +186,12 @@ class SafeckptTrainerMixin(Trainer):
     safeckpt_async: bool = False
     safeckpt_pretrained: bool | None = None
     safeckpt_max_shard_size: int | str | None = None
+    safeckpt_local_dir: str | None = None
+    safeckpt_durable_every: int | None = 10
+    safeckpt_replicas: int = 0
+    safeckpt_keep_local: int | None = 2
+    safeckpt_local_max_bytes: int | None = None
+    safeckpt_check_finite: bool | tuple[str, ...] = False
     safeckpt_preempted: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -217,17 +232,24 @@ class SafeckptTrainerMixin(Trainer):
                 "save different steps; safeckpt's agreed preemption replaces it. Remove "
                 "enable_jit_checkpoint=True (a SIGTERM still saves and stops every rank)."
             )
-        if self.args.push_to_hub and self.args.hub_strategy in ("checkpoint", "all_checkpoints"):
+        if self.args.push_to_hub and self.args.hub_strategy != "end" and self.safeckpt_async:
             raise CheckpointError(
-                f"{where}: hub_strategy={self.args.hub_strategy!r} uploads Trainer-format "
-                "checkpoint folders, which safeckpt does not write. Use hub_strategy='end' or "
-                "'every_save' (the exported model is pushed), or push checkpoints yourself."
-            )
+                f"{where}: hub_strategy={self.args.hub_strategy!r} with async saves: Trainer pushes "
+                "checkpoint-N right after the save, before an async save has committed it. Use "
+                "async_save=False, or hub_strategy='end'.")
         if self.safeckpt_async and ds.enabled(self):
             raise CheckpointError(
                 f"{where}: async saves with DeepSpeed: the engine writes its own checkpoint files "
                 "inside the save, which must finish before training goes on. Use "
                 "with_safeckpt(..., async_save=False) with DeepSpeed.")
+        if self.safeckpt_local_dir is not None and ds.enabled(self):
+            raise CheckpointError(
+                f"{where}: local_dir with DeepSpeed: the engine writes its own files into the checkpoint "
+                "during the save, which the node-local tier does not take. Drop local_dir with DeepSpeed.")
+        if self.safeckpt_local_dir is not None and self.args.load_best_model_at_end:
+            raise CheckpointError(
+                f"{where}: local_dir with load_best_model_at_end: the best step may live on the nodes "
+                "only, where Trainer cannot load it by path. Drop one of them.")
         if self.args.save_on_each_node:
             warnings.warn(
                 "save_on_each_node is ignored by safeckpt: every rank writes its share into one "
@@ -252,9 +274,23 @@ class SafeckptTrainerMixin(Trainer):
                 frozen=self.safeckpt_frozen,
                 dirname=common.TRAINER_DIRNAME,
                 async_save=self.safeckpt_async,
+                check_finite=self.safeckpt_check_finite,
+                **self._safeckpt_tier_options(),
             )
             self._safeckpt_drop_legacy_links()
         return self._safeckpt_mgr
+
+    def _safeckpt_tier_options(self) -> dict[str, Any]:
+        if self.safeckpt_local_dir is None:
+            return {}
+        return {"local_dir": os.fspath(self.safeckpt_local_dir), "durable_every": self.safeckpt_durable_every,
+                "replicas": self.safeckpt_replicas, "keep_local": self.safeckpt_keep_local,
+                "local_max_bytes": self.safeckpt_local_max_bytes}
+
+    def _safeckpt_durable(self, step: int) -> bool:
+        """Whether a save of ``step`` is committed under the root now (always without the tier)."""
+        every = self.safeckpt_durable_every
+        return self.safeckpt_local_dir is None or (every is not None and step % every == 0) or self.safeckpt_preempted
 
     def _safeckpt_link(self, step: int) -> str:
         """``root/checkpoint-N``: where step N is committed (Trainer's name)."""
@@ -302,6 +338,7 @@ class SafeckptTrainerMixin(Trainer):
                                   "hyperparameter search trials")
         self.safeckpt_preempted = False
         mgr = self._safeckpt_manager()
+        failed = True
         try:
             if resume_from_checkpoint in (None, False):
                 out = self._safeckpt_train(None, None, False, trial, ignore_keys_for_eval, kwargs)
@@ -319,12 +356,21 @@ class SafeckptTrainerMixin(Trainer):
                     self._safeckpt_mgr.retain()
                 finally:
                     self._safeckpt_rotation.final = False
+            failed = False
             return out
         finally:
             self._safeckpt_resume = None
             mgr, self._safeckpt_mgr = self._safeckpt_mgr, None
-            if mgr is not None:
-                mgr.close()
+            if mgr is not None and failed and self.safeckpt_local_dir is not None:
+                # train() failed: the newest node-local step stays on the nodes (a collective
+                # drain could wait on a rank that is gone); resume_from_checkpoint=True finds it.
+                mgr._last = None  # noqa: SLF001 - CheckpointManager has no close(drain=False) yet
+                try:
+                    mgr.close()
+                except Exception:  # noqa: BLE001 - the training error is the one raised
+                    pass
+            elif mgr is not None:
+                mgr.close()  # with the tier: the newest step is committed under root first
 
     def _safeckpt_train_newest(self, mgr: CheckpointManager, trial: Any, ignore: Any,
                                kwargs: dict[str, Any]) -> Any:
@@ -332,6 +378,17 @@ class SafeckptTrainerMixin(Trainer):
         of everything, inside Trainer's flow (after it built the optimizer); if it finds damage
         (CorruptCheckpoint on every rank: nothing was changed), train() runs again from the next
         older checkpoint, as Trainer's own retries (auto_find_batch_size) rerun its loop."""
+        if self.safeckpt_local_dir is not None:
+            # The newest step across the nodes' copies and the root, each file verified from its
+            # nearest copy (damaged or missing ones are passed over inside the pick).
+            step = mgr.restore({}, strict=False)
+            if step is None:
+                raise CheckpointNotFound(
+                    f"No valid checkpoint found in output directory ({self.safeckpt_root_dir}): "
+                    f"resume_from_checkpoint=True but neither {self.safeckpt_root_dir} nor the nodes' "
+                    f"local_dir ({self.safeckpt_local_dir}) hold a checkpoint of this run.",
+                    path=self.safeckpt_root_dir)
+            return self._safeckpt_train(mgr.restored_path, step, False, trial, ignore, kwargs)
         candidates, reasons = mgr.resume_candidates()
         if not candidates and not reasons:
             raise CheckpointNotFound(  # Trainer's own words first: scripts and tests match them
@@ -609,7 +666,7 @@ class SafeckptTrainerMixin(Trainer):
         # best checkpoint only if that step was saved (this one counts), else the old one stays.
         best = self.state.best_global_step
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best:
-            if best == step or common.share_from_rank0(
+            if (best == step and self._safeckpt_durable(step)) or common.share_from_rank0(
                     lambda: any(os.path.isdir(common.step_dir(root, best, d))
                                 for d in (common.TRAINER_DIRNAME, None))):
                 self.state.best_model_checkpoint = self._safeckpt_link(best)
@@ -637,8 +694,14 @@ class SafeckptTrainerMixin(Trainer):
             if _EXTRA_OK.match(name) and name not in extra:
                 extra[name] = data
         info = mgr.save(step, state, metrics=metrics, extra_files=extra, write_files=hook, named=named)
-        if info is not None and os.path.abspath(info.path) != path:
+        if info is not None and self.safeckpt_local_dir is None and os.path.abspath(info.path) != path:
             raise CheckpointError(f"committed {info.path}, expected {path}")
+        if self.args.push_to_hub and common.rank() == 0 and os.path.isfile(os.path.join(path, "manifest.json")):
+            # As stock Trainer after its save (rank 0, hub_strategy != "end"): the model files of
+            # the committed checkpoint-N go to output_dir and the Hub; "checkpoint" also uploads
+            # checkpoint-N itself as last-checkpoint ("all_checkpoints" under its own name). A
+            # step kept on the nodes only (local_dir) is not pushed.
+            self._push_from_checkpoint(path)
 
     def _safeckpt_pretrained_layout(self) -> tuple[dict[str, dict[str, str]] | None, dict[str, bytes], Any]:
         """The model's files as ``Trainer._save`` (``save_pretrained``) lays them out, for this
@@ -676,8 +739,9 @@ class SafeckptTrainerMixin(Trainer):
                 self.processing_class.save_pretrained(d)
 
         def on_rank0() -> dict[str, Any]:
-            # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md),
-            # rewritten at every save and no part of what from_pretrained reads.
+            # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md): no
+            # part of what from_pretrained reads, rewritten at every save, and 5 KB that would put
+            # a small LoRA checkpoint past 1.1x stock's size (test_hf_peft); save_model writes it.
             files, files_small, why = pretrained_layout(model, "model", write, skip=(TRAINING_ARGS, "README.md"),
                                                         sd=full)
             small.update(files_small)
@@ -741,14 +805,23 @@ class SafeckptTrainerMixin(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
+_UNSET: Any = object()
+
+
 def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | None = None,
                   async_save: bool | None = None, pretrained: bool | None = None,
-                  max_shard_size: int | str | None = None) -> T:
+                  max_shard_size: int | str | None = None, local_dir: str | os.PathLike[str] | None = None,
+                  durable_every: int | None = _UNSET, replicas: int = _UNSET, keep_local: int | None = _UNSET,
+                  local_max_bytes: int | None = _UNSET, check_finite: bool | tuple[str, ...] = _UNSET) -> T:
     """``trainer_cls`` (Trainer, SFTTrainer, any Trainer subclass) with safeckpt checkpoints.
 
     ``pretrained``, ``max_shard_size``: see ``SafeckptTrainerMixin.safeckpt_pretrained`` (default:
     every ``checkpoint-N`` of a DDP or one-process model is also a ``from_pretrained`` directory;
     ``pretrained=True`` makes an FSDP2 model's checkpoints one too, its tensors gathered).
+
+    ``local_dir``, ``durable_every``, ``replicas``, ``keep_local``, ``local_max_bytes``,
+    ``check_finite``: the fast-recovery tier, passed to the trainer's
+    :class:`~safeckpt.CheckpointManager` (see ``SafeckptTrainerMixin``).
 
     ``async_save=True``: each save blocks training only while the state is copied aside; it is
     written and committed in the background (the next save, ``load_best_model_at_end`` and the
@@ -760,8 +833,13 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise TypeError(f"with_safeckpt needs a transformers.Trainer subclass, got {trainer_cls!r}")
+    tier = {f"safeckpt_{k}": v for k, v in (("durable_every", durable_every), ("replicas", replicas),
+                                            ("keep_local", keep_local), ("local_max_bytes", local_max_bytes),
+                                            ("check_finite", check_finite)) if v is not _UNSET}
+    if local_dir is not None:
+        tier["safeckpt_local_dir"] = os.fspath(local_dir)
     if (issubclass(trainer_cls, SafeckptTrainerMixin) and root is None and timeout is None and async_save is None
-            and pretrained is None and max_shard_size is None):
+            and pretrained is None and max_shard_size is None and not tier):
         return trainer_cls
 
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
@@ -789,6 +867,7 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
         ns["safeckpt_pretrained"] = bool(pretrained)
     if max_shard_size is not None:
         ns["safeckpt_max_shard_size"] = max_shard_size
+    ns.update(tier)
     if issubclass(trainer_cls, SafeckptTrainerMixin):
         bases: tuple[type, ...] = (trainer_cls,)
     elif trainer_cls is Trainer:
