@@ -57,9 +57,13 @@ def _audit_outside(event: str, args: tuple[Any, ...]) -> None:
     if event != "open" or not _OUTSIDE_DIR:
         return
     try:
-        path = args[0]
+        path, flags = args[0], (args[2] if len(args) > 2 and isinstance(args[2], int) else 0)
         if isinstance(path, (str, bytes, os.PathLike)):
-            real = os.path.realpath(os.fsdecode(path))
+            p = os.path.abspath(os.fsdecode(path))
+            if flags & os.O_NOFOLLOW:  # a final symlink fails with ELOOP: only the parent is followed
+                real = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+            else:
+                real = os.path.realpath(p)
             if real.startswith(_OUTSIDE_DIR[0] + os.sep):
                 _OUTSIDE_READS.append(real)
     except BaseException:  # noqa: BLE001 - an audit hook must never raise into the caller
@@ -127,8 +131,16 @@ def run_tier_mutant(m: Mutant, base_root: str, refs: fuzz_oracle.Refs, scratch: 
         files = sorted(n for n in os.listdir(ckpt) if n != MANIFEST)
         with open(os.path.join(ckpt, TIER_FILE), "w") as f:
             json.dump({"root": root, "step": 2, "node": nd.node, "own": files, "replicas": []}, f)
-        ops = tuple(tuple(a.replace(b"@ROOT", root.encode()) if isinstance(a, bytes) else a for a in op)
-                    for op in m.ops)
+        # The fuzz suite's mutants name the damaged checkpoint itself "@root/<STEP_B>": here it
+        # is the local step directory (an absolute name: apply joins it to nothing).
+        def here(a: Any) -> Any:
+            if isinstance(a, bytes):
+                return a.replace(b"@ROOT", root.encode())
+            if isinstance(a, str) and (a == f"@root/{STEP_B}" or a.startswith(f"@root/{STEP_B}/")):
+                return ckpt + a[len(f"@root/{STEP_B}"):]
+            return a
+
+        ops = tuple(tuple(here(a) for a in op) for op in m.ops)
         progress("apply")
         apply(ops, ws, ckpt)
         rss0 = fuzz_oracle._maxrss_mb()
@@ -140,7 +152,9 @@ def run_tier_mutant(m: Mutant, base_root: str, refs: fuzz_oracle.Refs, scratch: 
                 progress(name)
                 del fuzz_oracle._OUTSIDE[:]
                 del _OUTSIDE_READS[:]
-                _OUTSIDE_DIR[:] = [os.path.realpath(outside)]
+                # the plain readers are given the step directory itself (fuzz_oracle's watch);
+                # the restore only root and local_dir: nothing under "outside" is its to read
+                _OUTSIDE_DIR[:] = [os.path.realpath(outside)] if name == "restore" else []
                 try:
                     if name == "restore":
                         calls[name] = _tier_restore(ws, root, local, refs)
@@ -148,7 +162,15 @@ def run_tier_mutant(m: Mutant, base_root: str, refs: fuzz_oracle.Refs, scratch: 
                         calls[name] = fuzz_oracle._call(name, ckpt, root, refs, progress)
                 finally:
                     _OUTSIDE_DIR[:] = []
-                seen = sorted(set(fuzz_oracle._OUTSIDE) | set(_OUTSIDE_READS))
+                # A name relative to a directory descriptor (openat: the posix storage walks a
+                # path one component at a time) comes to the audit hook without its directory
+                # and reads as relative to the working directory: the worker runs in an empty
+                # directory of its own (checked empty below), and such names are dropped.
+                cwd = os.getcwd() + os.sep
+                seen = sorted({p for p in set(fuzz_oracle._OUTSIDE) | set(_OUTSIDE_READS)
+                               if not p.startswith(cwd)})
+                if os.listdir(cwd):
+                    seen.append(f"the working directory is not empty: {os.listdir(cwd)[:3]}")
                 if seen:
                     outside_reads[name] = seen[:3]
         rss = fuzz_oracle._maxrss_mb() - rss0
@@ -168,6 +190,8 @@ def _tier_restore(ws: str, root: str, local: str, refs: fuzz_oracle.Refs) -> dic
     state = fresh_state(refs.base)
     before = snapshot(state)
     fuzz_oracle._WATCH = (os.path.abspath(ws), os.path.realpath(ws))  # root, local dir: both in ws
+    rss0 = fuzz_oracle._maxrss_mb()
+    peak0 = fuzz_oracle._reset_peak()
     t0 = time.monotonic()
     try:
         mgr = safeckpt.CheckpointManager(root, local_dir=local, keep_last=None, preemption_signals=())
@@ -185,14 +209,15 @@ def _tier_restore(ws: str, root: str, local: str, refs: fuzz_oracle.Refs) -> dic
         gc.collect()
         fuzz_oracle._WATCH = None
         out["secs"] = round(time.monotonic() - t0, 3)
-        out["rss_mb"] = 0
-        out["peak_mb"] = 0
+        out["rss_mb"] = round(fuzz_oracle._maxrss_mb() - rss0)
+        out["peak_mb"] = round(fuzz_oracle._call_peak_mb(peak0))
     return out
 
 
 def worker_main(conn: Any, bases: dict[str, str], scratch: str, calls: tuple[str, ...] = CALLS) -> None:
     """fuzz_oracle.worker_main, with the tier's workspace and restore."""
     try:
+        os.chdir(tempfile.mkdtemp(prefix="cwd-", dir=scratch))  # empty: see run_tier_mutant
         sys.addaudithook(fuzz_oracle._audit)
         sys.addaudithook(_audit_outside)
         import torch
