@@ -130,6 +130,7 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
     writers = {n: man["files"][n]["writer"] for n in LAYOUT}
     for d in step11:
         assert (d / "trainer_state.json").read_bytes() == _extras(11)["trainer_state.json"]
+        assert not [n for n in os.listdir(d.parent) if n.startswith(".")], os.listdir(d.parent)  # no staging left
     # The node of a named file's writer is lost with its local_dir; root's copy is unreadable;
     # one node's extra file is damaged: that file alone comes from another copy.
     lost = writers["weights.safetensors"]

@@ -547,9 +547,31 @@ class SaveJob:
         return encode_manifest_text(head, objects, self.plan.tensors_json)
 
     # ------------------------------------------- for writers of other places (engine.tier)
-    # The node-local tier writes each rank's files of this job into its node's directory, builds
-    # the manifest from the reports (no rank sees another node's files), and later commits the
-    # same staged bytes under root with :meth:`retarget` + :meth:`finish`. These are its calls.
+    # The node-local tier agrees and snapshots a job as any async save, then writes each rank's
+    # files into its node's directory (:meth:`write_to`, under a place named with
+    # :attr:`staging_token`, after :meth:`drop_staging`), builds the manifest from the reports
+    # (:meth:`files_of`, :meth:`manifest_bytes`: no rank sees another node's files), and later
+    # commits the same staged bytes under root (:meth:`retarget`, then :meth:`finish`). These
+    # calls are its whole use of the job; nothing else of it is touched from outside.
+
+    @property
+    def staging_token(self) -> str:
+        """The token of the staging place the agreement prepared (the same on every rank)."""
+        assert self.staging is not None, "agree() first"
+        return self.staging["token"]
+
+    def drop_staging(self) -> None:
+        """Coordinator (a no-op elsewhere): remove the staging place the agreement prepared, for
+        a caller that writes this job somewhere else. Never raises (see ``commit.discard``)."""
+        if self.coord.is_coordinator and self.staging:
+            _commit.discard(self.store, self.target, self.staging)
+
+    def retarget(self, target: str, store: Storage, staging: dict[str, str], hooks: CommitHooks) -> None:
+        """Commit this (agreed, snapshotted) job at ``target`` on ``store`` instead, through
+        ``staging`` (what ``commit.begin`` returned there on the coordinator, shared by every
+        rank), replacing a checkpoint there; :meth:`finish` then writes the staged bytes again
+        and publishes them with ``hooks``."""
+        self.target, self.store, self.staging, self.overwrite, self.hooks = target, store, staging, True, hooks
 
     def write_items(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor this rank writes in this save (after :meth:`snapshot`: the staged

@@ -72,14 +72,11 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
     files (its data file and the named files it writes) on its node and their replicas; the
     coordinator's extra files on every node (sent with the manifest, checked against it)."""
-    token = job.staging["token"]
+    token = job.staging_token
     part = nd.partial(step, token)
-    job_staging = job.staging.get("path")
 
     def write() -> dict[str, Any]:
-        if coord.is_coordinator and job_staging and os.path.isdir(job_staging):
-            with contextlib.suppress(OSError):
-                os.rmdir(job_staging)  # the SaveJob's own (empty) staging place: not used
+        job.drop_staging()  # the job's own (empty) staging place: the tier writes into ``part``
         if check_finite:
             bad = non_finite(job.write_items(), check_finite)
             if bad:
@@ -290,14 +287,14 @@ def refuse_non_finite(coord: Coordinator, job: Any, step: int | None, entries: A
     try:
         coord.decide("check-finite", lambda: bad, resolve, hint="Nothing was written.")
     except BaseException:
-        if coord.is_coordinator and job.staging:
-            _commit.discard(job.store, job.target, job.staging)
+        job.drop_staging()
         raise
 
 
 def write_local(job: Any, staging: dict[str, str]) -> dict[str, Any]:
-    """This rank's file of ``job`` (the bytes a save would write for it) into ``staging``."""
-    return job._write(staging)
+    """This rank's files of ``job`` (the bytes a save would write for it) into ``staging``
+    (a module-level hook, so that a test can make the write fail)."""
+    return job.write_to(staging)
 
 
 def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Callable[[], None],
@@ -308,9 +305,8 @@ def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Cal
         return _commit.begin(store, target, True)
 
     staging = coord.decide("durable-begin", lambda: None, begin, hint="Nothing was written under root.")
-    job.target, job.store, job.staging, job.overwrite = target, store, staging, True
-    job.hooks = CommitHooks(after_commit=after_commit,
-                            after_commit_hint=f"The checkpoint {target} is committed; only retention failed.")
+    job.retarget(target, store, staging, CommitHooks(
+        after_commit=after_commit, after_commit_hint=f"The checkpoint {target} is committed; only retention failed."))
     return job.finish(coord)
 
 
