@@ -37,7 +37,9 @@ Then:
 nodes with their own ``local_dir``, ``replicas=1``, ``durable_every=2``; kill points at every
 step of the local write, replication, publish, drain to root and the tiered restore; the
 restart must restore exactly the newest step complete on some tier); ``--cycle`` draws each of
-its points in turn.
+its points in turn; with ``--overwrite`` the crash job's first save re-saves the step it
+restored (each node replaces a published local step) and ``tier/publish-mid-replace`` is drawn
+too.
 
 Exit status 1 if any trial had a bad outcome.
 """
@@ -367,7 +369,8 @@ def run_matrix(trials: int, seed: int, *, timeout: float = 10.0, slack: float = 
     # "second_manager" (a second async manager in each process, saving every step too),
     # "mesh2d" (the model's tensors are DTensors on a 2x2 mesh; 4 ranks)
     if tier:  # the node-local tier's phases (kill_tier): its own layouts and points
-        specs = [kill_tier.sample(seed, i, timeout, list(points) if points else None, cycle=cycle) for i in indices]
+        specs = [kill_tier.sample(seed, i, timeout, list(points) if points else None, cycle=cycle,
+                                  overwrite=overwrite) for i in indices]
     else:
         specs = [{**sample(seed, i, timeout, worlds, points, overwrite), **(environment or {})} for i in indices]
     return run_specs(specs, seed=seed, timeout=timeout, slack=slack, **kwargs)
@@ -550,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment["mesh2d"] = True
         args.worlds = "4"
     points = [p for p in args.points.split(",") if p]
-    known = kill_tier.TIER_POINTS if args.tier else POINTS
+    known = kill_tier.ALL_POINTS if args.tier else POINTS
     unknown = set(points) - set(known)
     if unknown:
         ap.error(f"unknown kill points {sorted(unknown)}; known: {', '.join(known)}")

@@ -114,22 +114,31 @@ TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
     "restore/apply-mid": ("", "apply-mid", ANY, False),
     "restore/apply-after": ("", "apply-after", ANY, False),
 }
+# Drawn only with ``overwrite`` (the crash job's first save re-saves the step it restored, as a
+# job restarted from an older step does): a node's first rank between the two renames that
+# replace a published local step (the old one moved aside, the new one not yet in place).
+TIER_OVERWRITE_POINTS: dict[str, tuple[str, str, str, bool]] = {
+    "tier/publish-mid-replace": ("local-publish", "inside", FIRST, True),
+}
+ALL_POINTS = {**TIER_POINTS, **TIER_OVERWRITE_POINTS}
 # After rank 0 published the drained step under root: it must be there afterwards.
 AFTER_PUBLISH = ("drain/commit-after-publish", "drain/retain-mid", "drain/write-decided")
 
 
 def sample(seed: int, index: int, timeout: float, points: list[str] | None = None,
-           cycle: bool = False) -> dict[str, Any]:
+           cycle: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Trial ``index`` of ``seed`` (the same spec every time). ``cycle``: trial i kills at
-    point i modulo the number of points (every point in turn), the rest drawn as usual."""
+    point i modulo the number of points (every point in turn), the rest drawn as usual.
+    ``overwrite``: the crash job's first save re-saves the restored step (and
+    ``TIER_OVERWRITE_POINTS`` may be drawn)."""
     rng = random.Random(f"kill-matrix-tier-{seed}-{index}")
-    names = list(points or TIER_POINTS)
+    names = list(points or (ALL_POINTS if overwrite else TIER_POINTS))
     point = rng.choice(names)
     if cycle:
         point = names[index % len(names)]
     nodes, per_node = rng.choice(LAYOUTS)
     world = nodes * per_node
-    role = TIER_POINTS[point][2]
+    role = ALL_POINTS[point][2]
     if role == R0:
         victim = 0
     elif role == FIRST:
@@ -143,12 +152,15 @@ def sample(seed: int, index: int, timeout: float, points: list[str] | None = Non
     else:
         victim = rng.randrange(world)
     occurrence = rng.randint(1, CRASH_SAVES)
-    if point == "tier/publish-retain":
+    if point == "tier/publish-retain" or point in TIER_OVERWRITE_POINTS:
         occurrence = 1
-    return {"trial": index, "seed": seed, "tier": True, "world": world, "nodes": nodes, "per_node": per_node,
+    spec = {"trial": index, "seed": seed, "tier": True, "world": world, "nodes": nodes, "per_node": per_node,
             "mode": "tier", "point": point, "victim": victim, "method": rng.choice(["sigkill", "exit"]),
             "occurrence": occurrence, "keep_last": rng.choice([1, 2]),
             "lose_node": rng.random() < 0.5, "timeout": timeout, "store_timeout": 60.0}
+    if overwrite:
+        spec["overwrite"] = True
+    return spec
 
 
 # ------------------------------------------------------------------------------ the killer
@@ -162,7 +174,7 @@ class TierKiller(Killer):
         self.local = os.path.realpath(local_dir)
 
     def install(self) -> None:
-        phase, when, _, per_save = TIER_POINTS[self.point]
+        phase, when, _, per_save = ALL_POINTS[self.point]
         where = self.point.split("/")[1]
         if when.startswith("apply"):
             self._patch_apply(when)
@@ -180,6 +192,9 @@ class TierKiller(Killer):
             self._patch_replace(lambda dst: self._under(dst, self.local) and os.path.basename(dst).startswith("rank-"))
         elif where == "publish-manifest-rename":
             self._patch_replace(lambda dst: self._under(dst, self.local) and os.path.basename(dst) == "manifest.json")
+        elif where == "publish-mid-replace":  # the old step moved aside, the new one not in place
+            self._patch_rename(lambda dst: self._under(dst, self.local) and os.path.basename(dst).endswith(".old"),
+                               after=True)
         elif where in ("publish-rename", "publish-renamed"):
             self._patch_rename(lambda dst: self._under(dst, self.local) and os.path.basename(dst).startswith("step-"),
                                after=where == "publish-renamed")
@@ -402,6 +417,8 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
             _note(trial_dir, rank, "restored", step)  # this rank's node holds every file of it now
         start = 0 if step is None else step
         count = SEED_LAST if job == "seed" else CRASH_SAVES if job == "crash" else 1
+        if job == "crash" and spec.get("overwrite") and step is not None:
+            start, count = step - 1, CRASH_SAVES + 1  # the first save re-saves the restored step
         for s in range(start + 1, start + 1 + count):
             out["where"] = f"save {s}"
             set_step(state, s, rank)
@@ -534,7 +551,10 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[tuple[int, int], str],
     if max(disk["valid"], default=-1) < newest_durable:  # retention may have removed it for a newer one
         res["lost"] = True
         problems.append(f"lost: step {newest_durable} was committed under root, root holds {disk['valid']}")
-    killed_step = SEED_LAST + (kill.get("call") or spec["occurrence"]) if kill and TIER_POINTS[spec["point"]][3] else None
+    phase, _, _, per_save = ALL_POINTS[spec["point"]]
+    call = (kill or {}).get("call") or spec["occurrence"]
+    first = SEED_LAST if spec.get("overwrite") and phase not in ("durable-begin", "write") else SEED_LAST + 1
+    killed_step = first - 1 + call if kill and per_save else None  # drains: step 4, then 5 at close
     res["killed_step"] = killed_step
     if spec["point"] in AFTER_PUBLISH and killed_step is not None and killed_step not in disk["valid"]:
         res["lost"] = True
