@@ -4,7 +4,8 @@ One run, N simulated nodes of one rank each (``GROUP_RANK`` per process, gloo on
 a state of ``--params`` float32 parameters (replicated, as DDP's: its bytes are spread over the
 ranks' files) plus a per-rank tensor. Every local directory lives under ``--local`` (default
 /dev/shm: a RAM disk); ``root`` under ``--dir`` (a disk). Reported per rank 0, the slowest rank
-where it says so:
+where it says so; each figure is the median of ``--repeat`` measurements (the loops: of
+``--loop-repeat`` interleaved runs of each):
 
 - ``plain copy``: the time to copy the state's tensors into preallocated host buffers (what a
   local save must at least block for); ``local save blocked``: ``mgr.save`` returning;
@@ -32,9 +33,14 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import statistics
 import sys
 import time
 from datetime import timedelta
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
 def _free_port() -> int:
@@ -100,16 +106,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
             if pinned:
                 torch.cuda.synchronize()
 
-        res["plain copy"] = min(timed(plain_copy) for _ in range(3))
+        res["plain copy"] = median([timed(plain_copy) for _ in range(args.repeat)])
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
+        mgr.save(1, state)  # the first save builds the groups and the host buffers: not counted
+        mgr.wait()
         blocked, complete = [], []
-        for step in range(1, 4):
+        for step in range(2, 2 + args.repeat):
             blocked.append(timed(lambda step=step: mgr.save(step, state)))
             complete.append(timed(mgr.wait))
-        res["local save blocked"] = min(blocked)
-        res["local save complete"] = min(complete)
-        mgr.close()  # drains step 3 to root
+        res["local save blocked"] = median(blocked)
+        res["local save complete"] = median(complete)
+        mgr.close()  # drains the newest step to root
         res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs)
         # the training loop, without and with a local save at every step
         x = torch.randn(64, 1024, device=args.device)
@@ -126,24 +134,39 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
             if args.device != "cpu":
                 torch.cuda.synchronize()
 
-        res["train loop, no checkpoint"] = timed(lambda: loop(False))
         loop_root = os.path.join(args.dir, "loop-root")
         m2 = safeckpt.CheckpointManager(loop_root, local_dir=os.path.join(args.local, f"loop{rank}"),
                                         durable_every=None, replicas=1, preemption_signals=())
-        res["train loop, local save every step"] = timed(lambda: loop(True, m2))
+        m2.save(99, state)  # warm: groups and host buffers
+        m2.wait()
+        plain_runs, saving_runs = [], []
+        for _ in range(args.loop_repeat):  # interleaved, so that both see the same machine
+            plain_runs.append(timed(lambda: loop(False)))
+            saving_runs.append(timed(lambda: loop(True, m2)))
+        res["train loop, no checkpoint"] = median(plain_runs)
+        res["train loop, local save every step"] = median(saving_runs)
         m2._last = None  # the loop's steps are not drained to root
         m2.close()
     elif phase == "node-loss":
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
         got: list = []
-        res["restore after node loss (local + peers)"] = timed(lambda: got.append(mgr.restore(state)))
+        restores, reads = [], []
+        for i in range(args.repeat):
+            if i:  # the last node is lost again (what the restore healed is wiped)
+                if rank == world - 1:
+                    shutil.rmtree(local)
+                dist.barrier()
+            restores.append(timed(lambda: got.append(mgr.restore(state))))
+            files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs if f.startswith("rank-")]
+            _drop_cache(local) if not args.local.startswith("/dev/shm") else None
+            reads.append(timed(lambda files=files: [open(f, "rb").read() for f in files]))
+        res["restore after node loss (local + peers)"] = median(restores)
         res["restored step"] = got[0]
+        res["plain read from local_dir"] = median(reads)
+        res["restore / plain read, median of pairs"] = median([a / b for a, b in zip(restores, reads, strict=True)])
         mgr._last = None
         mgr.close()
-        files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs if f.startswith("rank-")]
-        _drop_cache(local) if args.local != "/dev/shm" else None
-        res["plain read from local_dir"] = timed(lambda: [open(f, "rb").read() for f in files])
     elif phase == "root":
         if rank == 0:
             _drop_cache(root)
@@ -184,6 +207,8 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=12_000_000)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--loop-steps", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5, help="saves and restores measured (medians)")
+    ap.add_argument("--loop-repeat", type=int, default=3, help="runs of each loop, interleaved (medians)")
     ap.add_argument("--dir", default="/tmp/bench-recovery")
     ap.add_argument("--local", default="/dev/shm/bench-recovery")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every rank on cuda:0)")
@@ -204,8 +229,9 @@ def main() -> None:
     print(f"state: {args.params / 1e6:.0f}M float32 parameters ({res['bytes'] / 2**20:.0f} MiB per step), "
           f"{args.nodes} nodes x 1 rank, replicas=1, device {args.device}")
     for k, v in res.items():
-        print(f"  {k:45s} {v:.3f} s" if isinstance(v, float) else f"  {k:45s} {v}")
-    r = res["restore after node loss (local + peers)"] / res["plain read from local_dir"]
+        unit = "x" if "/" in k else " s"
+        print(f"  {k:45s} {v:.3f}{unit}" if isinstance(v, float) else f"  {k:45s} {v}")
+    r = res["restore / plain read, median of pairs"]
     print(f"  restore (local + peers) / plain read: {r:.2f}x; local save blocked / plain copy: "
           f"{res['local save blocked'] / res['plain copy']:.2f}x; train loop overhead: "
           f"{100 * (res['train loop, local save every step'] / res['train loop, no checkpoint'] - 1):.0f}%")

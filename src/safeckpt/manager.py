@@ -433,7 +433,10 @@ class CheckpointManager:
         that checkpoint under root from the same staged bytes."""
         tier = self._tier
         assert tier is not None and self._saver is not None
-        durable = (self.durable_every is not None and step % self.durable_every == 0) or self.preempted
+        # Durable by step number, or because a rank was preempted: that flag is agreed in the
+        # background's first exchange (an all-reduce here cost a collective in the blocking part).
+        by_step = (self.durable_every is not None and step % self.durable_every == 0) or self._preempted
+        signalled = bool(self._watcher and self._watcher.flag)
         request = SaveRequest(target=tier_url(tier.tag, step), state=state, metadata=metadata, overwrite=True,
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
                               named=named)
@@ -449,8 +452,9 @@ class CheckpointManager:
 
         def run() -> _TierResult:
             done = save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
-                              keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect)
-            if not durable:
+                              keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect,
+                              signalled=signalled)
+            if not (by_step or done["preempted"]):
                 return _TierResult(None, done["warnings"])
             try:
                 info = self._drain(background, job, step, name)

@@ -4,7 +4,8 @@ nearest verified copy of each file. Every phase is one ``Coordinator.decide``: a
 any rank raises the same error on every rank, and every choice (the step, who sends which
 file to whom) is the coordinator's, broadcast.
 
-Save of step N (background thread, after ``SaveJob.agree`` + ``snapshot`` on the caller's):
+Save of step N (background thread, after ``SaveJob.agree`` + ``snapshot`` on the caller's; a
+preemption signal on any rank is agreed in the first exchange, making the step durable):
 
 1. local-write  each rank writes its file (the bytes ``safeckpt.save`` would write for it,
                 from the staged buffers) into its node's partial directory; with
@@ -68,7 +69,8 @@ ROOT = -1  # a fetch source: read the file from root
 
 
 def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: Any,
-               keep_local: int | None, max_bytes: int | None, protect: set[int]) -> dict[str, Any]:
+               keep_local: int | None, max_bytes: int | None, protect: set[int],
+               signalled: bool = False) -> dict[str, Any]:
     """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
     files (its data file and the named files it writes) on its node and their replicas; the
     coordinator's extra files on every node (sent with the manifest, checked against it)."""
@@ -95,10 +97,11 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 # room from the node's older steps (never its newest, nor a protected one), once
                 older = [s for s in nd.steps()[:-1] if s not in protect]
                 if attempt or not no_space(exc) or not older:
-                    return {"node": nd.node, "failed": f"{type(exc).__name__}: {exc}"}
+                    return {"node": nd.node, "signalled": signalled, "failed": f"{type(exc).__name__}: {exc}"}
                 for s in older:
                     shutil.rmtree(nd.step_dir(s), ignore_errors=True)
         report["node"] = nd.node
+        report["signalled"] = signalled  # a preemption signal here: this step is drained to root
         if max_bytes is not None:  # what the node holds now, for the budget
             report["held"] = nd.step_sizes()
             report["base"] = nd.nbytes() - sum(b for _, b in report["held"]) - dir_bytes(part)
@@ -107,7 +110,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     def manifest(written: list[dict[str, Any]]) -> dict[str, Any]:
         failed = [f"rank {r} on {w['node']}: {w['failed']}" for r, w in enumerate(written) if "failed" in w]
         if failed:
-            return {"skip": failed}
+            return {"skip": failed, "preempted": any(w.get("signalled") for w in written)}
         raw = job.manifest_bytes(job.files_of(written), written)
         nodes = [w["node"] for w in written]
         files = [job.report_files(w) for w in written]
@@ -121,14 +124,14 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 base.setdefault(w["node"], w["base"])
             drops, notes = fit_budget(nodes, files, targets, held, base, max_bytes, protect)
         return {"manifest": raw.decode(), "files": files, "nodes": nodes, "targets": targets, "drops": drops,
-                "notes": notes,
+                "notes": notes, "preempted": any(w.get("signalled") for w in written),
                 "extra": {n: base64.b64encode(data).decode() for n, data in sorted(job.extra_files.items())}}
 
     hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
     d = coord.decide("local-write", write, manifest, hint=hint)
     if "skip" in d:
         shutil.rmtree(part, ignore_errors=True)
-        return {"step": step, "skipped": True, "warnings": [
+        return {"step": step, "skipped": True, "preempted": d["preempted"], "warnings": [
             f"step {step} is not on the local tier: a node-local write failed ({'; '.join(d['skip'][:5])}); "
             "training goes on, the previous local steps are intact"]}
     files: list[list[list[Any]]] = d["files"]  # rank -> [[name, size, xxh3-128], ...]
@@ -203,7 +206,8 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
 
     d3 = coord.decide("local-publish", publish, lambda notes: [n for ns in notes for n in ns], hint=hint)
     notes = [*d["notes"], *d2["warnings"], *d3]
-    return {"step": step, "manifest": raw, "warnings": [f"step {step}: {note}" for note in notes]}
+    return {"step": step, "manifest": raw, "preempted": d["preempted"],
+            "warnings": [f"step {step}: {note}" for note in notes]}
 
 
 def no_space(exc: BaseException) -> bool:
