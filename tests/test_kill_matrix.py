@@ -67,3 +67,22 @@ def test_kill_matrix_sample(tmp_path):
         for survivor in res["survivors"].values():
             assert survivor["type"] == "RankFailure" and survivor["blamed"] == [0], survivor
         assert res["killed_step"] not in res["disk"]["valid"]  # killed before publishing
+
+
+@pytest.mark.timeout(420)
+def test_kill_matrix_tier_every_point_once(tmp_path):
+    """The node-local tier's kill points (tests/stress/kill_tier.py: local write, replicate,
+    publish, drain to root, the tiered restore's inventory/verify/fetch), each once in turn on
+    simulated nodes, the crash job re-saving the step it restored (so the kill between the two
+    renames of a replaced local step is drawn too): the restart restores exactly the newest step complete on some tier,
+    bit-exact, and every survivor raises within the timeout blaming the victim."""
+    from tests.stress import kill_tier
+
+    points = kill_tier.ALL_POINTS
+    summary, results = kill_matrix.run_matrix(len(points), 9, timeout=TIMEOUT, slack=SLACK, tier=True,
+                                              cycle=True, overwrite=True, workdir=str(tmp_path))
+    problems = {r["spec"]["trial"]: r["problems"] for r in results if r["problems"]}
+    assert not problems, problems
+    assert {r["spec"]["point"] for r in results} == set(points)
+    assert summary["bad_trials"] == [], summary
+    assert summary["max_tte"] <= TIMEOUT + 2.0, summary["max_tte"]
