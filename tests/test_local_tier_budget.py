@@ -251,3 +251,26 @@ def test_an_unreachable_object_store_root_leaves_the_local_tier_working(tmp_path
         opts = s3_harness.options(endpoint)
         assert safeckpt.verify("s3://tier/run/step-0000000006", storage_options=opts).ok
         proxy.drop()
+
+
+def test_a_full_local_filesystem_makes_room_from_older_steps(tmp_path):
+    """ENOSPC at a node's own write: its older steps (never the newest) are removed and the
+    write is tried once more, so the tier keeps saving on a disk that holds two steps."""
+    import safeckpt
+
+    with _tiny_tmpfs(tmp_path / "local") as real:
+        if not real:
+            pytest.skip("a tmpfs cannot be mounted here (not root)")
+        with safeckpt.CheckpointManager(tmp_path / "root", local_dir=tmp_path / "local", durable_every=None,
+                                        keep_local=None, preemption_signals=()) as m:
+            for step in (1, 2, 3, 4):  # 20 KB a step (n=5000): two fit in 64 KiB with the records, not three
+                m.save(step, _state(step, 0, 5000))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    m.wait()
+                assert [str(w.message) for w in caught] == [], step
+            held = m._tier.steps()
+            assert held[-1] == 4 and len(held) <= 2, held
+            st = _state(0, 0, 5000)
+            assert m.restore(st) == 4 and _same(st, _state(4, 0, 5000))
+            m._last = None  # nothing drained to root

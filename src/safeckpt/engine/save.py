@@ -588,6 +588,14 @@ class SaveJob:
             raise CheckpointError("write_files runs inside a save's own commit only")
         return self._write(staging)
 
+    def file_names(self) -> list[str]:
+        """The names of the files :meth:`write_to` writes on this rank (its data file, the named
+        files it writes), for a caller cleaning up after a failed write."""
+        assert self.staging is not None, "agree() first"
+        self._plan()
+        return [self.store.data_name(self.coord.rank, self.staging["token"]),
+                *(nf.name for nf, _ in self.named_items)]
+
     @staticmethod
     def report_files(report: Mapping[str, Any]) -> list[tuple[str, int, str]]:
         """(name, size, xxh3-128) of every file a rank's report of :meth:`write_to` names."""

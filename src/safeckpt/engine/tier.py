@@ -100,6 +100,10 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                     return {"node": nd.node, "signalled": signalled, "failed": f"{type(exc).__name__}: {exc}"}
                 for s in older:
                     shutil.rmtree(nd.step_dir(s), ignore_errors=True)
+                for name in os.listdir(part) if os.path.isdir(part) else ():  # this rank's leftovers
+                    if any(name == f or name.startswith(f"{f}.") for f in job.file_names()):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(part, name))
         report["node"] = nd.node
         report["signalled"] = signalled  # a preemption signal here: this step is drained to root
         if max_bytes is not None:  # what the node holds now, for the budget
