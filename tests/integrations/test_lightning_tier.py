@@ -2,7 +2,9 @@
 durable_every=..., replicas=...)`` on 2 real ranks (2 simulated nodes: GROUP_RANK per rank, each
 its own local_dir; gloo, CPU). The job is SIGKILLed after two epochs whose checkpoints are on the
 nodes only; one node's local_dir is wiped; ``ckpt_path="last"`` resumes the newest step from the
-other node's copies and replicas, and the run ends bit-exact with an uninterrupted one.
+other node's copies and replicas, and the run ends bit-exact with an uninterrupted one. And
+``check_finite`` without the tier: Lightning's bookkeeping (``kth_value = inf``) passes, a NaN in
+the module is refused on every rank, naming the tensor.
 """
 
 from __future__ import annotations
@@ -107,3 +109,44 @@ def test_lightning_resumes_a_local_only_step_after_a_node_is_lost(tmp_path):
         # the newest step was committed at the end of training, under Lightning's name for it
         assert "epoch=3-step=24.ckpt" in v["after"], v
     assert safeckpt.verify(ckpts / "epoch=3-step=24.ckpt").ok
+
+
+def _finite_only(rank: int, world: int, root: str) -> dict:
+    import torch
+
+    import safeckpt
+    from safeckpt.integrations import lightning as sl
+    from tests.integrations import lightning_app as app
+
+    app.scramble(0)
+    model = app.Net(bn=True)
+    strategy = sl.SafeckptDDPStrategy(checkpoint_timeout=30, check_finite=True)  # no local_dir
+    trainer = app.trainer(root, strategy, 1, world)
+    trainer.fit(model)  # ModelCheckpoint keeps kth_value = inf: not a tensor check_finite refuses
+    ckpts = os.path.join(root, "ckpts")
+    with torch.no_grad():
+        model.net[0].weight[0, 0] = float("nan")
+    poisoned = os.path.join(ckpts, "poisoned.ckpt")
+    try:
+        trainer.save_checkpoint(poisoned)
+        refused = None
+    except safeckpt.CheckpointError as exc:
+        refused = [type(exc).__name__, str(exc)]
+    return {"names": sorted(n for n in os.listdir(ckpts) if not n.startswith(".")),  # not the manager's lease
+            "refused": refused}
+
+
+@pytest.mark.timeout(200)
+def test_lightning_check_finite_without_the_tier(tmp_path):
+    import safeckpt
+
+    out = dist_harness.run(_finite_only, 2, str(tmp_path), timeout=150, env=ENV)
+    for o in out:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        v = o.value
+        assert v["names"] == ["epoch=0-step=6.ckpt", "last.ckpt"], v
+        assert v["refused"] is not None and "check_finite" in v["refused"][1], v
+        assert "NaN/Inf in model/net.0.weight" in v["refused"][1], v
+    for name in ("epoch=0-step=6.ckpt", "last.ckpt"):
+        assert safeckpt.verify(tmp_path / "ckpts" / name).ok
+    assert not (tmp_path / "ckpts" / "poisoned.ckpt").exists()
