@@ -150,3 +150,50 @@ def test_lightning_check_finite_without_the_tier(tmp_path):
     for name in ("epoch=0-step=6.ckpt", "last.ckpt"):
         assert safeckpt.verify(tmp_path / "ckpts" / name).ok
     assert not (tmp_path / "ckpts" / "poisoned.ckpt").exists()
+
+
+def _preempted(rank: int, world: int, root: str, nodes: str) -> dict:
+    import lightning.pytorch as pl
+
+    from safeckpt.integrations import lightning as sl
+
+    class Signal(pl.Callback):  # rank 1 alone is "signalled" (the handler's flag) at step 8
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if rank == 1 and trainer.global_step == 8:
+                preempt.flag = True
+
+    preempt = sl.SafeckptPreemption()
+    try:
+        _fit(os.path.join(root, "run"), nodes, rank, world, 4, callbacks=[Signal(), preempt])
+        stopped = False
+    except SystemExit:  # Lightning's SIGTERMException, on every rank
+        stopped = True
+    return {"stopped": stopped, "saved": preempt.saved_path}
+
+
+def _resume_from_root(rank: int, world: int, root: str, nodes: str) -> dict:
+    model, trainer = _fit(os.path.join(root, "run"), nodes, rank, world, 1, seed=3, ckpt_path="last")
+    return {"resumed_from": trainer.ckpt_path, "step": trainer.global_step}
+
+
+@pytest.mark.timeout(300)
+def test_lightning_preemption_with_the_tier_commits_the_step_to_the_directory(tmp_path):
+    """The preemption save of a tier strategy is durable at once (nodes are often lost with a
+    preemption): committed in the checkpoint directory under a name with its step, before
+    training stops; with every node's local_dir gone, "last" resumes it from there."""
+    import shutil
+
+    import safeckpt
+
+    nodes = tmp_path / "nodes"
+    out = dist_harness.run(_preempted, 2, str(tmp_path), str(nodes), timeout=150, env=ENV)
+    for o in out:
+        assert o.ok and o.value["stopped"], (o.rank, o.error_type, o.message, o.value)
+    ckpts = tmp_path / "run" / "ckpts"
+    assert (ckpts / "step-0000000008").is_dir()  # durable_every=100: only the preemption made it durable
+    assert safeckpt.verify(ckpts / "step-0000000008").ok
+    shutil.rmtree(nodes)  # every node lost
+    out = dist_harness.run(_resume_from_root, 2, str(tmp_path), str(nodes), timeout=150, env=ENV)
+    for o in out:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        assert o.value["resumed_from"] == str(ckpts / "step-0000000008"), o.value

@@ -55,6 +55,7 @@ from safeckpt.errors import (
     RankMismatch,
     SafeckptWarning,
 )
+from safeckpt.format.step_names import step_from_name
 from safeckpt.format.tree import is_dtensor
 
 from ..coord.dist import distributed_active
@@ -293,11 +294,24 @@ class SafeckptStrategyMixin:
         step = step_of(checkpoint)
         if step is None:
             raise CheckpointError(f"{path}: the checkpoint has no global_step; local_dir / check_finite need one")
-        if self.local_dir is not None and step == self._tier_step:
-            return  # save_last's copy of the step the tier just saved (nothing new to keep)
         parent, name = os.path.split(norm(path))
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        preempting = self.local_dir is not None and trainer is not None and any(
+            isinstance(cb, SafeckptPreemption) and norm(cb.path(trainer)) == norm(path) for cb in trainer.callbacks)
+        if self.local_dir is not None and step == self._tier_step and not preempting:
+            return  # save_last's copy of the step the tier just saved (nothing new to keep)
         mgr = self._manager(parent)
+        if preempting:
+            # Every rank is here together (the callback agreed): this step goes to the
+            # directory now, under a name with its step (so that a restore finds it by step
+            # when the nodes are gone), and the save completes before training stops.
+            mgr._preempted = True
+            if step_from_name(name) is None:
+                name = None
         mgr.save(step, state, metadata=metadata(checkpoint, not full), name=name)
+        if preempting:
+            mgr.wait()
         if self.local_dir is not None:
             self._tier_step = step
 
