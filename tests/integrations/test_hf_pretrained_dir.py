@@ -269,3 +269,55 @@ def test_a_plain_module_gets_model_safetensors_as_trainer_writes_it(tmp_path) ->
     assert set(sd) == {"a", "b"} and torch.equal(sd["a"], trainer.model.a.detach())
     assert not torch.equal(sd["a"], torch.tensor(0.5))  # it trained
 
+
+
+def _rewrite_header(path: str, kind: str) -> None:
+    """Same-length header damage of model.safetensors: a renamed tensor, or two same-shaped
+    tensors' data_offsets swapped (every chunk checksum still right)."""
+    import struct
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    hdr = json.loads(raw[8:8 + n])
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"
+    if kind == "rename":
+        hdr["X" + a[1:]] = hdr.pop(a)
+    else:
+        hdr[a]["data_offsets"], hdr[b]["data_offsets"] = hdr[b]["data_offsets"], hdr[a]["data_offsets"]
+    text = json.dumps(hdr, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("kind", ["rename", "swap"])
+def test_resume_refuses_a_checkpoint_whose_model_header_was_changed(tmp_path, kind) -> None:
+    from transformers import TrainerCallback
+
+    class StartStep(TrainerCallback):
+        at: list[int] = []
+
+        def on_train_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            self.at.append(state.global_step)
+
+    out = str(tmp_path / "out")
+    with_safeckpt(Trainer)(model=_model(tied=False), args=_args(out, 4), train_dataset=tiny.TokenData(16, 1)).train()
+    ckpt = os.path.join(out, "checkpoint-4")
+    _rewrite_header(os.path.join(ckpt, "model.safetensors"), kind)
+    assert not safeckpt.verify(ckpt).ok
+
+    # A path to it: refused, nothing trained.
+    reset_accelerate_state()
+    explicit = with_safeckpt(Trainer)(model=_model(tied=False), args=_args(str(tmp_path / "other"), 6),
+                                      train_dataset=tiny.TokenData(16, 1))
+    with pytest.raises(safeckpt.CorruptCheckpoint, match="model.safetensors"):
+        explicit.train(resume_from_checkpoint=ckpt)
+
+    # The newest that loads: checkpoint-2.
+    reset_accelerate_state()
+    spy = StartStep()
+    again = with_safeckpt(Trainer)(model=_model(tied=False), args=_args(out, 6), train_dataset=tiny.TokenData(16, 1),
+                                   callbacks=[spy])
+    with pytest.warns(UserWarning, match="corrupt"):
+        again.train(resume_from_checkpoint=True)
+    assert spy.at[-1] == 2 and again.state.global_step == 6

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpoint
-from .fileindex import INDEX_NAME
+from .fileindex import INDEX_NAME, header_digest
 from .manifest import DTYPE_TO_ST, dtype_code, open_regular, retry_io, unavailable
 
 PIECE = 64 << 20  # bytes hashed and written per system call
@@ -370,7 +370,11 @@ def header_problems(read: Callable[[int, int], bytes], size: int, chunks: Sequen
     """What is wrong with a data file's safetensors header, given the manifest's ``chunks`` of
     that file (each with start, end, dtype, sizes): the header must parse, describe tensors
     that tile the data exactly, and hold every non-empty chunk at its byte range with its dtype
-    and shape (so the file stays readable by any safetensors reader)."""
+    and shape (so the file stays readable by any safetensors reader). Where the file's index
+    records the checksum of the header's tensor entries (a chunk's ``header``, see
+    ``safeckpt.format.fileindex``), the names, byte ranges and shapes must match it too: a
+    renamed tensor or two same-shaped tensors' offsets swapped change what other readers load
+    (``from_pretrained`` of a named file) while every chunk checksum still holds."""
     if size < 8:
         return [f"{size} bytes, too short for a safetensors header"]
     (hlen,) = struct.unpack("<Q", read(0, 8))
@@ -381,11 +385,16 @@ def header_problems(read: Callable[[int, int], bytes], size: int, chunks: Sequen
         if not isinstance(header, dict):
             raise ValueError("not an object")
         entries = {}
+        named = []  # (name, start, end relative to the data, shape) of every tensor but the index
         for name, rec in header.items():
             if name == "__metadata__":
                 continue
             lo, hi = rec["data_offsets"]
             entries[(8 + hlen + int(lo), 8 + hlen + int(hi))] = (rec["dtype"], list(rec["shape"]))
+            if name != INDEX_NAME:
+                named.append((name, lo, hi, rec["shape"]))
+        want = next((c["header"] for c in chunks if c.get("header") is not None), None)
+        digest = header_digest(named) if want is not None else None
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         return [f"unreadable safetensors header ({type(exc).__name__}: {exc})"]
     problems = []
@@ -408,6 +417,9 @@ def header_problems(read: Callable[[int, int], bytes], size: int, chunks: Sequen
                 f"{c['start']}-{c['end']} as {c['dtype']}{list(c['sizes'])} (it has {got})"
             )
             break
+    if digest != want:
+        problems.append("safetensors header does not match its index (a tensor's name, shape or byte "
+                        "range was changed): other safetensors readers would load the wrong tensors")
     return problems
 
 

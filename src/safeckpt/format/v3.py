@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CorruptCheckpoint
-from .fileindex import MAX_INDEX, parse_index
+from .fileindex import HEADER_ENTRY_BYTES, MAX_INDEX, parse_index
 from .manifest import safe_file_path
 from .sharding import Box, Mesh, overlapping, writes
 from .validate import _Bad, check_manifest, check_tree
@@ -150,7 +150,7 @@ class Layout:
         So an index is bounded by what the manifest expects before it is read: a forged 256
         MiB index costs its parse on every rank no more."""
         pos = 2 * len(str(file_size)) + 16 + 10  # start,end,"checksum", brackets, commas, quotes
-        n = 64  # {"trees":{},"chunks":[]}
+        n = 64 + HEADER_ENTRY_BYTES  # {"trees":{},"header":"<xxh3-64>","chunks":[]}
         for (key, offsets), sizes in self.expected(rank).items():
             n += len(json.dumps(key)) + 2 * len(offsets) + 4 + sum(len(str(v)) for v in (*offsets, *sizes)) + pos
         if rank in set(self.man.get("rank_trees", ())):
@@ -171,6 +171,7 @@ class Layout:
             index_start = int(rec["size"])
         tensors = self.man["tensors"]
         want = self.expected(rank)
+        header = idx.get("header")  # the checksum of the file's safetensors tensor entries, if written
         chunks = []
         for key, offsets, sizes, start, end, digest in idx["chunks"]:
             tr = tensors.get(key)
@@ -189,6 +190,8 @@ class Layout:
                      "xxh3_64": digest}
             if tr["scope"] == "per_rank":
                 chunk["rank"] = rank
+            if header is not None:  # checked with the file's header (format.shardfile.header_problems)
+                chunk["header"] = header
             chunks.append((key, chunk))
         if want:
             (key, offsets), _ = next(iter(want.items()))
