@@ -682,13 +682,19 @@ class CheckpointManager:
         self._preempted = self._coord(what="preemption check").any_true(local, "preempted")
         return self._preempted
 
-    def close(self) -> None:
-        """Wait for the pending save (raising its error), release the lease and signal handlers."""
+    def close(self, drain: bool = True) -> None:
+        """Wait for the pending save (raising its error), release the lease and signal handlers.
+
+        With ``local_dir``, ``close()`` first commits the newest local step under root if root
+        lacks it (collective). ``close(drain=False)`` skips that drain: for a job ending after a
+        failure, where a collective drain could wait on a rank that is gone; the newest step
+        stays on the node-local tier, where a restart's restore finds it. Idempotent."""
         if self._closed:
             return
         try:
             self.wait()
-            self._drain_last()
+            if drain:
+                self._drain_last()
         finally:
             self._closed = True
             self._finalizer.detach()
