@@ -364,9 +364,8 @@ class SafeckptTrainerMixin(Trainer):
             if mgr is not None and failed and self.safeckpt_local_dir is not None:
                 # train() failed: the newest node-local step stays on the nodes (a collective
                 # drain could wait on a rank that is gone); resume_from_checkpoint=True finds it.
-                mgr._last = None  # noqa: SLF001 - CheckpointManager has no close(drain=False) yet
                 try:
-                    mgr.close()
+                    mgr.close(drain=False)
                 except Exception:  # noqa: BLE001 - the training error is the one raised
                     pass
             elif mgr is not None:
