@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -57,6 +58,7 @@ from ..errors import (
     IncompatibleCheckpoint,
     SafeckptWarning,
 )
+from ..format.manifest import TRASH_MARK
 from ._hf import common
 from ._hf import deepspeed as ds
 from ._hf.layout import full_view, gather_full, pretrained_layout
@@ -201,6 +203,7 @@ class SafeckptTrainerMixin(Trainer):
         self._safeckpt_sampler: dict[str, Any] | None = None
         self._safeckpt_outer = False
         self._safeckpt_side: str | None = None
+        self._safeckpt_side_out: str | None = None  # the real args.output_dir while a subclass saves
         self._safeckpt_rotation: _TrainerRotation | None = None
         targs = next((a for a in [*args, *kwargs.values()] if isinstance(a, TrainingArguments)), None)
         model = kwargs.get("model", args[0] if args else None)
@@ -599,22 +602,33 @@ class SafeckptTrainerMixin(Trainer):
         self._safeckpt_commit(trial)
 
     def _safeckpt_side_begin(self) -> None:
-        """Before a subclass's _save_checkpoint runs: ``output_dir/checkpoint-N`` is where it
-        writes its own files; take them into the commit if that directory is new."""
-        d = os.path.join(self.args.output_dir, f"{SIDE_PREFIX}{self.state.global_step}")
+        """Before a subclass's _save_checkpoint runs: it writes its own files into
+        ``output_dir/checkpoint-N`` (TRL's pattern), so while it runs ``args.output_dir`` is a
+        hidden scratch directory under the root, ``.checkpoint-N.safeckpt-trash-<hex>/<name of
+        output_dir>``, one for all ranks: no ``checkpoint-N`` is visible before the commit (a kill there leaves
+        only that hidden name, which ``get_last_checkpoint`` never matches and the next save's
+        sweep removes), and the files are taken into the commit from there, also when the
+        step is saved again over a committed ``checkpoint-N``."""
+        root, step = self.safeckpt_root_dir, self.state.global_step
+        # The scratch output_dir keeps the real one's last name: TRL names the model card it
+        # writes during the save after it (Path(args.output_dir).name).
+        base = os.path.basename(os.path.abspath(self.args.output_dir)) or "output"
 
-        def foreign() -> bool:
-            if os.path.islink(d) and os.readlink(d).startswith("step-"):
-                os.unlink(d)  # our link to an older commit of this step: replaced after the save
-            return os.path.exists(d)
+        def make() -> str:
+            name = f".{SIDE_PREFIX}{step}{TRASH_MARK}{secrets.token_hex(6)}"
+            os.makedirs(os.path.join(root, name, base, f"{SIDE_PREFIX}{step}"))
+            return name
 
-        if common.share_from_rank0(foreign):
-            warnings.warn(f"{d} exists already (a Trainer-format checkpoint?); files in it are not "
-                          "taken into the safeckpt checkpoint and it is left alone.",
-                          SafeckptWarning, stacklevel=3)
-            self._safeckpt_side = None
-        else:
-            self._safeckpt_side = d
+        scratch = os.path.join(root, common.share_from_rank0(make), base)
+        self._safeckpt_side = os.path.join(scratch, f"{SIDE_PREFIX}{step}")
+        self._safeckpt_side_out = self.args.output_dir
+        self.args.output_dir = scratch
+
+    def _safeckpt_side_restore(self) -> None:
+        """After the subclass's part of the save: ``args.output_dir`` is the real one again."""
+        out, self._safeckpt_side_out = self._safeckpt_side_out, None
+        if out is not None:
+            self.args.output_dir = out
 
     def _safeckpt_side_files(self) -> dict[str, str]:
         """Rank 0's view of the files subclasses wrote during this save (text, <= 16 MiB each)."""
@@ -623,6 +637,16 @@ class SafeckptTrainerMixin(Trainer):
             return {}
 
         def read() -> dict[str, str]:
+            # Anything written into output_dir itself meanwhile (a model card) goes there now.
+            scratch, out_dir = os.path.dirname(d), self.args.output_dir
+            for name in sorted(os.listdir(scratch)) if os.path.isdir(scratch) else ():
+                if name != os.path.basename(d):
+                    os.makedirs(out_dir, exist_ok=True)
+                    try:
+                        os.replace(os.path.join(scratch, name), os.path.join(out_dir, name))
+                    except OSError as exc:  # a non-empty directory of that name there
+                        warnings.warn(f"{name}, written into output_dir during the save, could not be "
+                                      f"moved there ({exc}); it is dropped", SafeckptWarning, stacklevel=2)
             if not os.path.isdir(d):
                 return {}
             out = {}
@@ -645,7 +669,7 @@ class SafeckptTrainerMixin(Trainer):
     def _safeckpt_side_end(self) -> None:
         d, self._safeckpt_side = self._safeckpt_side, None
         if d is not None and common.rank() == 0:
-            shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(os.path.dirname(d)), ignore_errors=True)  # the hidden scratch
 
     def _safeckpt_commit(self, trial: Any) -> None:
         if trial is not None:
@@ -674,8 +698,8 @@ class SafeckptTrainerMixin(Trainer):
         try:
             state["side_files"] = self._safeckpt_side_files()
         finally:
-            # The subclass's scratch directory is where the commit goes (checkpoint-N): gone
-            # first; its files are committed inside the checkpoint below.
+            # The subclass's scratch directory: gone before the save (its files are committed
+            # inside the checkpoint below); a kill before this leaves it to the next sweep.
             self._safeckpt_side_end()
         state["safeckpt"] = {"format": FORMAT, "save_only_model": bool(self.args.save_only_model),
                              "trainer_class": type(self).__name__}
@@ -847,8 +871,12 @@ def with_safeckpt(trainer_cls: T, *, root: str | None = None, timeout: float | N
         self._safeckpt_outer = True
         try:
             super(cls, self)._save_checkpoint(model, trial)
+        except BaseException:
+            self._safeckpt_side_end()
+            raise
         finally:
             self._safeckpt_outer = False
+            self._safeckpt_side_restore()
         self._safeckpt_commit(trial)
 
     # Only a class that adds to _save_checkpoint can write files of its own during a save.
