@@ -35,6 +35,7 @@ is still one atomic commit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -71,6 +72,48 @@ SIDE_PREFIX = "checkpoint-"        # where Trainer subclasses put their own file
 MAX_SIDE_BYTES = 16 << 20
 FORMAT = "safeckpt.hf.trainer/1"
 _EXTRA_OK = re.compile(r"^(?!rank-)(?!manifest\.json$)[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+# safeckpt's own hidden names in output_dir, never pushed to the Hub: the writer lease
+# (.safeckpt.lock, naming the host) and its aside copies, the quarantine list, and staging,
+# trash and replaced directories (.checkpoint-N.safeckpt-staging-<hex>/...); fnmatch patterns
+# of paths relative to the uploaded folder, as huggingface_hub's upload_folder matches them.
+HUB_IGNORE = [".safeckpt*", "*/.safeckpt*", ".*.safeckpt-*", "*/.*.safeckpt-*"]
+
+
+class _HubIgnoringOurs:
+    """The Hub client Trainer gets from ``transformers.trainer.hf_api()``, with HUB_IGNORE
+    added to every ``upload_folder``'s ``ignore_patterns``."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def upload_folder(self, *args: Any, **kw: Any) -> Any:
+        pats = kw.get("ignore_patterns")
+        kw["ignore_patterns"] = ([pats] if isinstance(pats, str) else list(pats or ())) + HUB_IGNORE
+        return self._api.upload_folder(*args, **kw)
+
+
+@contextlib.contextmanager
+def _hub_ignoring_ours() -> Any:
+    """While Trainer pushes (rank 0, the main thread): its ``hf_api()`` gives _HubIgnoringOurs."""
+    import transformers.trainer as trainer_mod
+
+    orig = getattr(trainer_mod, "hf_api", None)
+    if orig is None or getattr(orig, "_safeckpt_wrapped", False):
+        yield
+        return
+
+    def api(*args: Any, **kw: Any) -> Any:
+        return _HubIgnoringOurs(orig(*args, **kw))
+
+    api._safeckpt_wrapped = True  # type: ignore[attr-defined]
+    trainer_mod.hf_api = api
+    try:
+        yield
+    finally:
+        trainer_mod.hf_api = orig
 
 
 class _Damaged(Exception):
@@ -803,6 +846,15 @@ class SafeckptTrainerMixin(Trainer):
                 self.state.stateful_callbacks[name].append(cb.state())
             else:
                 self.state.stateful_callbacks[name] = cb.state()
+
+    # ------------------------------------------------------------------ the Hub
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        with _hub_ignoring_ours():  # output_dir holds safeckpt's lease and hidden directories
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+        with _hub_ignoring_ours():
+            return super().push_to_hub(*args, **kwargs)
 
     # ------------------------------------------------------------------ export
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
