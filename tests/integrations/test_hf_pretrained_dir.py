@@ -321,3 +321,34 @@ def test_resume_refuses_a_checkpoint_whose_model_header_was_changed(tmp_path, ki
     with pytest.warns(UserWarning, match="corrupt"):
         again.train(resume_from_checkpoint=True)
     assert spy.at[-1] == 2 and again.state.global_step == 6
+
+
+def test_max_shard_size_runs_the_whole_of_trainers_save(tmp_path) -> None:
+    # with_safeckpt(..., max_shard_size=...) runs Trainer._save as without it (a subclass's
+    # override, the tokenizer given only through the data collator), save_pretrained sharding.
+    from transformers import DataCollatorForLanguageModeling
+
+    class ExtraTrainer(Trainer):
+        def _save(self, output_dir=None, state_dict=None):  # type: ignore[no-untyped-def]
+            super()._save(output_dir, state_dict)
+            with open(os.path.join(output_dir or self.args.output_dir, "extra_info.json"), "w") as f:
+                f.write('{"from": "_save"}')
+
+    tok = tiny.tokenizer()
+    files = {}
+    for label, kw in (("plain", {}), ("sharded", {"max_shard_size": "40KB"})):
+        reset_accelerate_state()
+        out = str(tmp_path / label)
+        trainer = with_safeckpt(ExtraTrainer, **kw)(
+            model=_model(tied=False), args=_args(out, 2), train_dataset=tiny.TokenData(8, 1),
+            data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+        assert trainer.processing_class is None  # the tokenizer is the collator's only
+        trainer.train()
+        ckpt = os.path.join(out, "checkpoint-2")
+        files[label] = set(os.listdir(ckpt))
+        assert {"extra_info.json", "tokenizer.json", "tokenizer_config.json"} <= files[label], files[label]
+        assert safeckpt.verify(ckpt).ok
+    weights = {"model.safetensors", "model.safetensors.index.json"}
+    shards = {n for n in files["sharded"] if n.startswith("model-0")}
+    assert len(shards) > 2 and "model.safetensors.index.json" in files["sharded"]
+    assert files["sharded"] - shards - weights == files["plain"] - weights

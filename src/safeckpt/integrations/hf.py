@@ -96,6 +96,31 @@ class _HubIgnoringOurs:
 
 
 @contextlib.contextmanager
+def _default_shard_size(models: list[Any], size: Any) -> Any:
+    """While Trainer._save runs: each of ``models`` with a ``save_pretrained`` gets one of its
+    own (an instance attribute, removed after) passing ``max_shard_size=size`` unless given, so
+    the whole of _save runs (the data collator's tokenizer, a subclass's override) with
+    save_pretrained's sharding."""
+    patched = []
+    try:
+        for m in {id(m): m for m in models}.values():
+            bound = getattr(m, "save_pretrained", None)
+            if bound is None or "save_pretrained" in vars(m):
+                continue
+
+            def sp(*args: Any, _bound: Any = bound, **kw: Any) -> Any:
+                kw.setdefault("max_shard_size", size)
+                return _bound(*args, **kw)
+
+            object.__setattr__(m, "save_pretrained", sp)
+            patched.append(m)
+        yield
+    finally:
+        for m in patched:
+            vars(m).pop("save_pretrained", None)
+
+
+@contextlib.contextmanager
 def _hub_ignoring_ours() -> Any:
     """While Trainer pushes (rank 0, the main thread): its ``hf_api()`` gives _HubIgnoringOurs."""
     import transformers.trainer as trainer_mod
@@ -795,14 +820,14 @@ class SafeckptTrainerMixin(Trainer):
             full = gather_full(model)  # collective: the full tensors on every rank's CPU
         small: dict[str, bytes] = {}
 
-        def write(d: str) -> None:  # Trainer's _save, with save_pretrained's shard size where set
-            inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-            if self.safeckpt_max_shard_size is None or not hasattr(inner, "save_pretrained"):
+        def write(d: str) -> None:  # Trainer's _save (a subclass's too), with the shard size where set
+            size = self.safeckpt_max_shard_size
+            if size is None:
                 self._save(d, state_dict=full)
                 return
-            inner.save_pretrained(d, state_dict=full, max_shard_size=self.safeckpt_max_shard_size)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(d)
+            inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+            with _default_shard_size([self.model, inner], size):
+                self._save(d, state_dict=full)
 
         def on_rank0() -> dict[str, Any]:
             # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md): no
