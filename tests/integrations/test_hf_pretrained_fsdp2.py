@@ -37,16 +37,14 @@ LAUNCH_TIMEOUT = 300
 SHARD = "40KB"  # as the script's
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> tuple[str, dict]:
+def _launch(out: str, *args: str) -> dict:
     from tests.helpers.dist_harness import free_port
 
-    out = str(tmp_path_factory.mktemp("fsdp2"))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), SCRIPT, out]
+           "--master-port", str(free_port()), SCRIPT, out, *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -57,7 +55,13 @@ def job(tmp_path_factory) -> tuple[str, dict]:
         pytest.fail(f"torchrun job hung (> {LAUNCH_TIMEOUT}s):\n{log[-6000:]}")
     assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
     with open(os.path.join(out, "result.json")) as f:
-        return out, json.load(f)
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[str, dict]:
+    out = str(tmp_path_factory.mktemp("fsdp2"))
+    return out, _launch(out)
 
 
 def _load(path: str) -> dict[str, torch.Tensor]:
@@ -140,3 +144,49 @@ def test_fsdp2_resume_from_model_directory_is_bit_exact(job) -> None:
     for k in keys:
         va, vb = ra[k], rb[k]
         assert (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb), k
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
+def test_fsdp2_tied_weights_are_gathered_and_written_once(tmp_path) -> None:
+    # A tied Llama (lm_head.weight is the embedding): state_dict() gives a DTensor per name, but
+    # the save gathers the parameter once and the checkpoint holds what save_pretrained writes
+    # for the same model unsharded: the embedding alone, lm_head.weight left out.
+    from transformers import LlamaForCausalLM
+
+    out = str(tmp_path / "tied")
+    result = _launch(out, "tied")
+    straight, resumed = result["straight"], result["resumed"]
+    # one parameter under two names (named_parameters lists it once), sharded
+    assert "model.embed_tokens.weight" in straight["sharded"] and "lm_head.weight" not in straight["sharded"]
+    assert straight["gathered"] == 2 * straight["distinct"]  # 2 saves, each parameter gathered once
+    assert resumed["gathered"] == resumed["distinct"]  # one save (step 6) after resuming at 3
+
+    ckpt = os.path.join(out, "straight", "checkpoint-6")
+    full = _load(os.path.join(out, "straight", "full.safetensors"))
+    assert torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+    ref_model = LlamaForCausalLM.from_pretrained(os.path.join(out, "tiny-llama"))
+    assert ref_model.lm_head.weight is ref_model.model.embed_tokens.weight
+    ref_model.load_state_dict(full)
+    ref = str(tmp_path / "ref")
+    ref_model.save_pretrained(ref, max_shard_size=SHARD)
+    shards = assert_same_shards(ckpt, ref)
+    assert not any("lm_head.weight" in tensors(os.path.join(ckpt, n)) for n in shards)
+    for n in ("rank-00000.safetensors", "rank-00001.safetensors"):  # no second (sharded) copy
+        assert not any(k.startswith("model/") for k in tensors(os.path.join(ckpt, n)))
+    from safeckpt.engine.reader import open_manifest
+
+    recs = open_manifest(ckpt)["tensors"]
+    assert recs["model/lm_head.weight"].get("alias_of") == "model/model.embed_tokens.weight" or \
+        recs["model/model.embed_tokens.weight"].get("alias_of") == "model/lm_head.weight"
+    loaded = LlamaForCausalLM.from_pretrained(ckpt)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert _equal({k: v for k, v in loaded.state_dict().items()}, full)
+    assert safeckpt.verify(ckpt).ok
+
+    # the resume reads each rank's shard of the tied parameter out of that file: bit-exact
+    assert resumed["global_step"] == 6
+    assert all(resumed["losses"][s] == straight["losses"][s] for s in resumed["losses"])
+    assert _equal(full, _load(os.path.join(out, "resumed", "full.safetensors")))
+    for r in (0, 1):
+        assert _equal(_load(os.path.join(out, "straight", f"shards-rank{r}.safetensors")),
+                      _load(os.path.join(out, "resumed", f"shards-rank{r}.safetensors")))

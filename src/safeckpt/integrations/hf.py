@@ -821,13 +821,15 @@ class SafeckptTrainerMixin(Trainer):
         small: dict[str, bytes] = {}
 
         def write(d: str) -> None:  # Trainer's _save (a subclass's too), with the shard size where set
+            # a copy: save_pretrained drops the tied names from the dict it is given (rank 0 only)
+            sd = dict(full) if full is not None else None
             size = self.safeckpt_max_shard_size
             if size is None:
-                self._save(d, state_dict=full)
+                self._save(d, state_dict=sd)
                 return
             inner = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
             with _default_shard_size([self.model, inner], size):
-                self._save(d, state_dict=full)
+                self._save(d, state_dict=sd)
 
         def on_rank0() -> dict[str, Any]:
             # Not the pickled TrainingArguments; not PEFT's boilerplate model card (README.md): no

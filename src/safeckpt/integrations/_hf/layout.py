@@ -118,19 +118,30 @@ def _no_distributed_gather(model: Any) -> Iterator[None]:
 
 def gather_full(model: Any) -> dict[str, torch.Tensor]:
     """Every rank (collective): the model's state dict with each DTensor replaced by its full
-    tensor, on the CPU (one all-gather per tensor in state-dict order, the same on every rank; a
-    tensor under several names, tied weights, gathered once and shared). Holds one full copy of
-    the model's sharded tensors in host memory until dropped."""
-    sd = unwrap_module(model).state_dict()
+    tensor, on the CPU (one all-gather per tensor in state-dict order, the same on every rank).
+    Tied weights (one parameter under several names) are gathered once and the names share the
+    full tensor, as they share the parameter: ``save_pretrained`` then writes them once (the
+    tied ``lm_head.weight`` left out, as for a model that is not sharded) and the save stores
+    them once. ``state_dict()`` gives a new DTensor per name, so they are matched by the
+    module's own parameters and buffers (the same on every rank), not by the DTensors. Holds
+    one full copy of the model's sharded tensors in host memory until dropped."""
+    module = unwrap_module(model)
+    sd = module.state_dict()
+    owner: dict[str, int] = {}  # state-dict name -> id of the parameter or buffer it is
+    for name, p in module.named_parameters(remove_duplicate=False):
+        owner[name] = id(p)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        owner.setdefault(name, id(b))
     full: dict[str, Any] = {}
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[tuple[str, int], torch.Tensor] = {}
     with torch.no_grad():
         for name, t in sd.items():
             if is_dtensor(t):
-                if id(t) not in seen:
+                key = ("param", owner[name]) if name in owner else ("sd", id(t))
+                if key not in seen:
                     g = t.full_tensor()
-                    seen[id(t)] = g if g.device.type == "cpu" else g.to("cpu")
-                full[name] = seen[id(t)]
+                    seen[key] = g if g.device.type == "cpu" else g.to("cpu")
+                full[name] = seen[key]
             else:
                 full[name] = t
     return full
@@ -174,7 +185,12 @@ def full_view(model: Any, entry: str, full: Mapping[str, Any], files: Mapping[st
     shards, saved as such). Gathered tensors no file names are dropped here."""
     named = {key for names in files.values() for key in names.values()}
     sd = unwrap_module(model).state_dict()
-    return FullView(model, {name: full[name] if f"{escape_key(entry)}/{escape_key(name)}" in named else t
+    in_files = {name for name in sd if f"{escape_key(entry)}/{escape_key(name)}" in named}
+    # a tied name the files leave out (lm_head.weight) shares its full tensor with one they
+    # hold: stored as that one's alias, not as shards of its own
+    shared = {id(full[name]) for name in in_files if name in full}
+    return FullView(model, {name: full[name] if name in in_files or (name in full and id(full[name]) in shared
+                                                                     and is_dtensor(t)) else t
                             for name, t in sd.items()})
 
 
