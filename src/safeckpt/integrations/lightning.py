@@ -328,8 +328,7 @@ class SafeckptStrategyMixin:
                     mgr.close()
                     continue
                 with contextlib.suppress(Exception):  # a rank failed: no collective drain
-                    mgr._last = None
-                    mgr.close()
+                    mgr.close(drain=False)
         finally:
             super().teardown()  # type: ignore[misc]
 
