@@ -290,7 +290,7 @@ def test_restore_from_the_local_tier_while_root_cannot_be_listed(tmp_path, monke
     def unreachable(*a, **k):
         raise StorageError("endpoint unreachable")
 
-    monkeypatch.setattr(manager, "committed", unreachable)
+    monkeypatch.setattr(manager, "scan", unreachable)  # root's listing for the tier
     with safeckpt.CheckpointManager(root, local_dir=local, preemption_signals=()) as m:
         st = _state(0, 0)
         with pytest.warns(safeckpt.SafeckptWarning, match="could not be listed.*node-local tier only"):

@@ -28,7 +28,16 @@ from .engine.extra import WriteFiles
 from .engine.frozen import check_frozen_mode
 from .engine.gc_pause import paused_gc
 from .engine.load import load
-from .engine.local_tier import ROOT_QUARANTINE, NodeDir, NodeTierStorage, step_files, tier_url
+from .engine.local_tier import (
+    RECORD_MAX,
+    ROOT_QUARANTINE,
+    NodeDir,
+    NodeTierStorage,
+    quarantine_marks,
+    read_record,
+    step_files,
+    tier_url,
+)
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
@@ -53,8 +62,10 @@ from .storage.catalog import (
     committed,
     dirname_of,
     remove_entry,
+    scan,
     sweep,
 )
+from .storage.posix import PosixStorage
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -96,7 +107,8 @@ class CheckpointManager:
             only every ``durable_every``-th step, on preemption and at close; restore() takes
             the newest step complete across the nodes' copies and root, each file from the
             nearest verified copy (see docs/concepts/fast-recovery.md). A rank's node is
-            torchrun's ``GROUP_RANK``, else the host name.
+            torchrun's ``GROUP_RANK``, else the host name. After a failure,
+            ``close(drain=False)`` closes without that last drain (the step stays local).
         durable_every: with ``local_dir``: commit under root every this many steps (by step
             number; None: only on preemption and at close).
         replicas: with ``local_dir``: copies of each rank's file on other nodes.
@@ -492,25 +504,35 @@ class CheckpointManager:
         last["durable"] = True
 
     def _root_side(self) -> dict[str, Any]:
-        """Coordinator: root's committed steps and quarantine marks (an unreachable root is a
-        warning: the local tier still restores)."""
+        """Coordinator: root's committed steps and quarantine marks, and its damaged ones
+        (history: a restore that finds nothing else raises rather than starting fresh); an
+        unreachable root is a warning: the local tier still restores."""
         try:
-            entries = [e for e in committed(self.root, self._store, self._dirnames) if e.step is not None]
+            found = scan(self.root, store=self._store, leftovers=False, dirnames=self._dirnames)
+            entries = [e for e in found if e.status == "committed" and e.step is not None]
+            damaged = [[e.step, f"step {e.step} (root): {e.path}: {e.problem}"] for e in found
+                       if e.status == "corrupt" and e.step is not None]
             paths = {str(e.step): e.path for e in sorted(entries, key=lambda e: e.path)}
-            return {"steps": sorted({e.step for e in entries}), "paths": paths, "quarantine": self._root_quarantine()}
+            return {"steps": sorted({e.step for e in entries}), "paths": paths, "quarantine": self._root_quarantine(),
+                    "damaged": damaged, "warnings": [f"ignoring {why[len(f'step {s} (root): '):]}: corrupt"
+                                                     for s, why in damaged]}
         except Exception as exc:  # noqa: BLE001 - root is one tier among several
             return {"steps": [], "warnings": [f"root {self.root} could not be listed ({type(exc).__name__}: "
                                               f"{exc}); restoring from the node-local tier only"]}
 
     def _root_quarantine(self) -> dict[str, str]:
-        raw = self._store.read(join(self.root, ROOT_QUARANTINE), 1 << 20)
-        if not raw:
+        """Root's quarantine marks; a damaged record (not JSON, too large or deep, not a regular
+        file: read as the tier reads its records) holds none."""
+        path = join(self.root, ROOT_QUARANTINE)
+        if isinstance(self._store, PosixStorage):  # never blocking on a FIFO, never through a symlink
+            return quarantine_marks(read_record(path))
+        raw = self._store.read(path, RECORD_MAX + 1)
+        if not raw or len(raw) > RECORD_MAX:
             return {}
         try:
-            rec = json.loads(raw)
-        except ValueError:
+            return quarantine_marks(json.loads(raw))
+        except (ValueError, RecursionError):
             return {}
-        return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
 
     def _root_file(self, path: str) -> Any:
         """Dest rank: the bytes of the file of root's checkpoint ``path`` whose checksum is ``xxh``."""
@@ -532,7 +554,8 @@ class CheckpointManager:
         for note in plan["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=3)
         quarantined = {int(s) for s in plan["quarantine"]}
-        reasons: list[str] = []
+        # root's damaged checkpoints are history: nothing restored -> raise, never a fresh start
+        reasons: list[str] = [why for s, why in plan.get("root_damaged", []) if step is None or s == step]
         for cand in plan["cands"]:
             if step is not None and cand != step:
                 continue

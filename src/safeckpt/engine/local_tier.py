@@ -21,6 +21,15 @@ each verified against the manifest) and loads it through a ``safeckpt-tier://`` 
 same string on every rank and names each node's own directory (:class:`NodeTierStorage`).
 
 Nodes: ``GROUP_RANK`` (torchrun's node rank) where set, else the host name.
+
+A node's copies are read with root's checks (:func:`read_record`, :meth:`NodeDir.read_manifest`):
+every file the tier reads (manifests, ``tier.json``, ``quarantine.json``, data files) is opened
+only as a regular file, never through a symlink (the step directory itself included), never
+blocking on a FIFO, with a bounded size; a manifest is parsed, checksum-verified and validated
+as root's (depth, shape, safe file names) before anything in it is used. A node copy that fails
+any check is a damaged copy: the inventory leaves it out and names it (node and path) in one
+warning; its files are re-sourced from a peer or root as any missing file, and the restore's
+repair (:meth:`NodeDir.repair_step`) writes only inside the node's own step directory.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,17 +48,27 @@ from typing import Any
 import torch
 import xxhash
 
-from ..errors import CheckpointError, SafeckptWarning
-from ..format.manifest import MANIFEST
+from ..errors import CheckpointError, CorruptCheckpoint, SafeckptWarning
+from ..format.manifest import (
+    MANIFEST,
+    check_manifest_size,
+    open_regular,
+    parse_manifest,
+    pread_all,
+    retry_io,
+    safe_file_path,
+    written_file_path,
+)
 from ..format.tree import escape_key
 from ..storage.base import register_backend
-from ..storage.posix import PosixStorage, digest_file, write_bytes_atomic
+from ..storage.posix import PosixStorage, digest_file, lstat_beneath, write_bytes_atomic
 
 SCHEME = "safeckpt-tier"
 TIER_FILE = "tier.json"
 QUARANTINE_FILE = "quarantine.json"
 ROOT_QUARANTINE = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (mgr.quarantine)
 TIER_FORMAT = "safeckpt-local-tier"
+RECORD_MAX = 1 << 20  # bytes of a tier.json or quarantine.json read at most (they are tiny)
 _BASES: dict[str, str] = {}  # tag -> this process's node directory of that run
 
 
@@ -82,6 +102,54 @@ def step_files(man: Mapping[str, Any]) -> dict[str, Any]:
 
 def file_xxh3(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def _open_dir(path: str) -> int:
+    """A handle on the directory ``path`` itself, never through a symlink as its last component
+    (CorruptCheckpoint if it is one, or not a directory)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return retry_io(lambda: os.open(path, flags), f"cannot open {path}")
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path} is missing", path=path) from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise CorruptCheckpoint(f"{path} is a symlink; refusing to follow it", path=path) from None
+        raise CorruptCheckpoint(f"cannot open {path} as a directory: {exc.strerror}", path=path) from None
+
+
+def read_bounded(path: str, limit: int, *, dir_fd: int | None = None, name: str | None = None) -> bytes:
+    """The bytes of a file the tier keeps, read as root's readers read (``open_regular``: a
+    regular file only, no symlink, never blocking on a FIFO or device), refused past ``limit``
+    bytes before reading. CorruptCheckpoint (or another CheckpointError) otherwise."""
+    fd = open_regular(path, os.path.dirname(path), dir_fd=dir_fd, name=name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpoint(f"{path} has {size} bytes, more than the {limit} it may have", path=path)
+        raw = retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
+    finally:
+        os.close(fd)
+    if len(raw) > limit:  # grew while read
+        raise CorruptCheckpoint(f"{path} has more than the {limit} bytes it may have", path=path)
+    return raw
+
+
+def read_record(path: str, limit: int = RECORD_MAX) -> Any:
+    """A tier record (``tier.json``, ``quarantine.json``) parsed as JSON, or None when it is
+    absent, unreadable, too large, not a regular file, not JSON or nested too deeply."""
+    try:
+        return json.loads(read_bounded(path, limit))
+    except (CheckpointError, OSError, ValueError, RecursionError):
+        return None
+
+
+def quarantine_marks(rec: Any) -> dict[str, str]:
+    """``{"<step>": "reason"}`` of a quarantine record (entries of any other shape are dropped)."""
+    if not isinstance(rec, dict):
+        return {}
+    return {k: v if isinstance(v, str) else json.dumps(v)[:500] for k, v in rec.items()
+            if isinstance(k, str) and k.isdigit()}
 
 
 class NodeTierStorage(PosixStorage):
@@ -188,11 +256,7 @@ class NodeDir:
     def ours(self) -> bool:
         """The run directory exists and belongs to this root (a hash collision or a copied
         directory of another run is never used)."""
-        try:
-            with open(os.path.join(self.base, TIER_FILE), "rb") as f:
-                rec = json.loads(f.read(1 << 16))
-        except (OSError, ValueError):
-            return False
+        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
         return isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
 
     # ------------------------------------------------------------------ inventory
@@ -205,64 +269,157 @@ class NodeDir:
                 out.append(int(name[5:]))
         return sorted(out)
 
-    def step_record(self, step: int) -> dict[str, Any] | None:
-        """What this node holds of ``step``: the manifest's hash, world size and files present
-        (by size; checksums are checked when read), or None."""
+    def read_manifest(self, step: int) -> tuple[bytes, dict[str, Any]]:
+        """This node's manifest of ``step``: its bytes and the manifest, read and validated as
+        root's (``format.manifest``: the step directory and the manifest never through a
+        symlink, a regular file only, at most ``SAFECKPT_MAX_MANIFEST_BYTES``, parsed with its
+        checksum, depth, shape and file names checked). CorruptCheckpoint (or another
+        CheckpointError) when the copy is damaged."""
+        d = self.step_dir(step)
+        path = os.path.join(d, MANIFEST)
+        dfd = _open_dir(d)
+        try:
+            fd = open_regular(path, d, dir_fd=dfd, name=MANIFEST)
+        finally:
+            os.close(dfd)
+        try:
+            size = os.fstat(fd).st_size
+            check_manifest_size(size, path, d)
+            raw = retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
+        finally:
+            os.close(fd)
+        key = file_xxh3(raw)
+        man = self._parsed.get(key) if hasattr(self, "_parsed") else None
+        if man is None:
+            man = parse_manifest(raw, d)
+            cache = self.__dict__.setdefault("_parsed", {})
+            if len(cache) >= 8:
+                cache.pop(next(iter(cache)))
+            cache[key] = man
+        return raw, man
+
+    def file_path(self, step: int, name: str) -> str:
+        """The path of a file a (validated) manifest names, inside the step directory (a data
+        file's plain name, or an extra file's relative path; CorruptCheckpoint for any other)."""
+        d = self.step_dir(step)
+        return safe_file_path(d, name) if isinstance(name, str) and "/" not in name else written_file_path(d, name)
+
+    def examine(self, step: int) -> tuple[dict[str, Any] | None, str | None]:
+        """What this node holds of ``step`` (the manifest's hash, world size and files present:
+        regular files of the listed size, reached without a symlink; checksums are checked when
+        read) and what of its copy is damaged or not this run's, naming the path (None when
+        nothing is): (None, why) when the whole copy is unusable."""
         d = self.step_dir(step)
         try:
-            with open(os.path.join(d, TIER_FILE), "rb") as f:
-                rec = json.loads(f.read(1 << 20))
-            with open(os.path.join(d, MANIFEST), "rb") as f:
-                raw = f.read()
-        except (OSError, ValueError):
-            return None
+            st = os.lstat(d)
+        except OSError:
+            return None, None
+        whole = "the node's copy is damaged and is not used ({}); its files come from another copy"
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            return None, whole.format(f"{d} is {kind}")
+        rec = read_record(os.path.join(d, TIER_FILE))
         if not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step:
-            return None
+            return None, whole.format(f"{os.path.join(d, TIER_FILE)} is missing, damaged or names another "
+                                      "root or step")
         try:
-            man = json.loads(raw)
-        except ValueError:
-            return None
+            raw, man = self.read_manifest(step)
+        except (CheckpointError, OSError) as exc:
+            return None, whole.format(f"{type(exc).__name__}: {str(exc)[:300]}")
         files = {}
+        bad = []
         listed = step_files(man)
         for name, frec in listed.items():
             try:
-                size = os.path.getsize(os.path.join(d, name))
-            except OSError:
+                path = self.file_path(step, name)
+                fst = lstat_beneath(path)
+            except (CheckpointError, OSError):
                 continue
-            if size == frec.get("size"):
-                files[name] = size
+            if fst is not None and stat.S_ISREG(fst.st_mode) and fst.st_size == frec.get("size"):
+                files[name] = fst.st_size
+            elif fst is not None:
+                what = (f"has {fst.st_size} bytes, not {frec.get('size')}" if stat.S_ISREG(fst.st_mode)
+                        else "is not a regular file")
+                bad.append(f"{path} {what}")
+            elif os.path.lexists(path):
+                bad.append(f"{path} is a symlink or lies beyond one")
+        why = None
+        if bad:
+            why = (f"the node's copies of {len(bad)} file(s) are damaged and are not used ({'; '.join(bad[:3])}"
+                   f"{'; ...' if len(bad) > 3 else ''}); they come from another copy")
         return {"manifest": file_xxh3(raw), "world": man.get("world_size"), "files": sorted(files),
-                "all": sorted(listed)}
+                "all": sorted(listed)}, why
+
+    def step_record(self, step: int) -> dict[str, Any] | None:
+        """What this node holds of ``step`` (see :meth:`examine`), or None."""
+        return self.examine(step)[0]
+
+    def survey(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """(step -> :meth:`examine`'s record of every step this node holds, step -> what of
+        this node's copy of the step is damaged and why)."""
+        inv: dict[str, Any] = {}
+        damaged: dict[str, str] = {}
+        for s in self.steps():
+            rec, why = self.examine(s)
+            if rec is not None:
+                inv[str(s)] = rec
+            if why is not None:
+                damaged[str(s)] = why
+        return inv, damaged
 
     def inventory(self) -> dict[str, Any]:
-        return {str(s): rec for s in self.steps() if (rec := self.step_record(s)) is not None}
+        return self.survey()[0]
 
     def quarantined(self) -> dict[str, str]:
-        try:
-            with open(os.path.join(self.base, QUARANTINE_FILE), "rb") as f:
-                rec = json.loads(f.read(1 << 20))
-        except (OSError, ValueError):
-            return {}
-        return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
+        return quarantine_marks(read_record(os.path.join(self.base, QUARANTINE_FILE)))
 
     def quarantine(self, marks: Mapping[str, str]) -> None:
         self.ensure()
         rec = {**self.quarantined(), **marks}
         write_bytes_atomic(os.path.join(self.base, QUARANTINE_FILE), json.dumps(rec, sort_keys=True).encode())
 
-    def manifest_bytes(self, step: int) -> bytes | None:
-        try:
-            with open(os.path.join(self.step_dir(step), MANIFEST), "rb") as f:
-                return f.read()
-        except OSError:
-            return None
-
     def verified(self, step: int, name: str, expected: str) -> bool:
-        path = os.path.join(self.step_dir(step), name)
+        """This node's copy of ``name`` (a name of the validated manifest) is a regular file,
+        reached without a symlink, whose xxh3-128 is ``expected``."""
         try:
-            return digest_file(path).xxh3_128 == expected
-        except OSError:
+            return digest_file(self.file_path(step, name)).xxh3_128 == expected
+        except (CheckpointError, OSError):
             return False
+
+    def repair_step(self, step: int, manifest: bytes) -> None:
+        """Make this node's directory of ``step`` fit to receive fetched files (a restore):
+        whatever is there that is not a real directory (a symlink, a file) is removed, never
+        followed; the manifest and tier record are (re)written unless intact."""
+        d = self.step_dir(step)
+        self.ensure()
+        _clear_non_dir(d)
+        os.makedirs(d, exist_ok=True)
+        try:
+            current = read_bounded(os.path.join(d, MANIFEST), len(manifest))
+        except (CheckpointError, OSError):
+            current = None
+        if current != manifest:
+            _clear_dir_entry(os.path.join(d, MANIFEST))
+            write_bytes_atomic(os.path.join(d, MANIFEST), manifest)
+        rec = read_record(os.path.join(d, TIER_FILE))
+        if not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step:
+            _clear_dir_entry(os.path.join(d, TIER_FILE))
+            keep = {"root": self.root, "step": step, "node": self.node, "own": [], "replicas": []}
+            write_bytes_atomic(os.path.join(d, TIER_FILE), json.dumps(keep).encode())
+
+    def room_for(self, step: int, name: str) -> str:
+        """The path to write the fetched file ``name`` (a name of the validated manifest) of
+        ``step`` to: a directory in its way is removed, and for a nested name every parent is
+        made a real directory (a symlink there is removed, never followed)."""
+        parts = name.split("/")
+        cur = self.step_dir(step)
+        for part in parts[:-1]:
+            cur = os.path.join(cur, part)
+            _clear_non_dir(cur)
+            os.makedirs(cur, exist_ok=True)
+        path = os.path.join(cur, parts[-1])
+        _clear_dir_entry(path)
+        return path
 
     # ------------------------------------------------------------------ publish and retain
     def publish(self, step: int, token: str, manifest: bytes, own: list[str], replicas: list[str],
@@ -330,6 +487,27 @@ class NodeDir:
         return dir_bytes(self.base)
 
 
+def _clear_non_dir(path: str) -> None:
+    """Remove ``path`` unless it is a real directory (a symlink is unlinked, never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _clear_dir_entry(path: str) -> None:
+    """Remove a directory in the way of the file ``path`` (a rename would not replace it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def dir_bytes(path: str) -> int:
     """Bytes of the files under ``path`` (0 when it is gone)."""
     total = 0
@@ -345,11 +523,7 @@ def describe(path: str) -> list[dict[str, Any]] | None:
     the files this node holds (own and replicas) and the quarantine marks; None when ``path``
     holds no local tier."""
     def run_of(d: str) -> dict[str, Any] | None:
-        try:
-            with open(os.path.join(d, TIER_FILE), "rb") as f:
-                rec = json.loads(f.read(1 << 16))
-        except (OSError, ValueError):
-            return None
+        rec = read_record(os.path.join(d, TIER_FILE), 1 << 16)
         if not isinstance(rec, dict) or rec.get("format") != TIER_FORMAT:
             return None
         nd = NodeDir.__new__(NodeDir)
@@ -358,11 +532,8 @@ def describe(path: str) -> list[dict[str, Any]] | None:
         steps = []
         for s in nd.steps():
             got = nd.step_record(s)
-            try:
-                with open(os.path.join(nd.step_dir(s), TIER_FILE), "rb") as f:
-                    held = json.loads(f.read(1 << 20))
-            except (OSError, ValueError):
-                held = {}
+            held = read_record(os.path.join(nd.step_dir(s), TIER_FILE)) if got else None
+            held = held if isinstance(held, dict) else {}
             steps.append({"step": s, "files": len(got["files"]) if got else 0,
                           "of": len(got["all"]) if got else None, "own": held.get("own", []),
                           "replicas": held.get("replicas", []), "node": held.get("node"),
@@ -417,11 +588,12 @@ def non_finite(items: Sequence[tuple[str, torch.Tensor]], entries: Any = True) -
 
 def read_file(path: str, size: int) -> torch.Tensor:
     """The file's bytes in a uint8 tensor of ``size`` (read straight into it, no copy; a short
-    file leaves the rest zero: its checksum fails where it is checked)."""
+    file leaves the rest zero: its checksum fails where it is checked). Opened as root's
+    readers open (a regular file only, no symlink as its name, never blocking on a FIFO)."""
     t = torch.empty(size, dtype=torch.uint8)
     if size:
         view = memoryview(t.numpy())
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, os.path.dirname(path)), "rb") as f:
             got = f.readinto(view)
         if got < size:
             view[got:] = b"\0" * (size - got)

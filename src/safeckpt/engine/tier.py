@@ -42,13 +42,11 @@ import torch
 
 from ..coord.dist import Coordinator, send_recv
 from ..errors import CheckpointError, CorruptCheckpoint, StorageError
-from ..format.manifest import MANIFEST
 from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import write_bytes_atomic
 from .load import load
 from .local_tier import (
-    TIER_FILE,
     NodeDir,
     as_tensor,
     dir_bytes,
@@ -325,13 +323,17 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
     """One exchange: every node's steps and the root's (``root_side()`` on the coordinator:
     ``{"steps": [...], "quarantine": {...}, "warnings": [...]}``)."""
     def mine() -> dict[str, Any]:
-        return {"node": nd.node, "inv": nd.inventory(), "q": nd.quarantined()}
+        inv, damaged = nd.survey()
+        return {"node": nd.node, "inv": inv, "damaged": damaged, "q": nd.quarantined()}
 
     def resolve(values: list[dict[str, Any]]) -> dict[str, Any]:
         nodes = [v["node"] for v in values]
         inv: dict[str, Any] = {}
         quarantine: dict[str, str] = {}
+        notes: list[str] = []
         for v in values:
+            if v["node"] not in inv:  # one warning per node and step: the node's first rank's view
+                notes += [f"restore: step {s} on {v['node']}: {why}" for s, why in sorted(v["damaged"].items())]
             inv.setdefault(v["node"], v["inv"])
             quarantine.update(v["q"])
         root = root_side()
@@ -339,7 +341,8 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
         cands = sorted((s for s in steps if str(s) not in quarantine), reverse=True)
         return {"nodes": nodes, "inv": inv, "root": root["steps"], "root_paths": root.get("paths", {}), "cands": cands,
-                "quarantine": quarantine, "warnings": root.get("warnings", [])}
+                "quarantine": quarantine, "root_damaged": root.get("damaged", []),
+                "warnings": root.get("warnings", []) + notes}
 
     return coord.decide("tier-inventory", mine, resolve, hint="Nothing was loaded; the state is unchanged.")
 
@@ -387,11 +390,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return out
         if my_rec is None:
             return out
-        raw = nd.manifest_bytes(step)
-        if raw is None or file_xxh3(raw) != mhash:
+        try:
+            raw, man = nd.read_manifest(step)  # validated as root's (see NodeDir.read_manifest)
+        except (CheckpointError, OSError):
+            raw, man = b"", {}
+        if file_xxh3(raw) != mhash:
             out["bad"] = list(my_rec["files"])
             return out
-        man = json.loads(raw)
         mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
         listed = step_files(man)
         out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f]["xxh3_128"])]
@@ -439,6 +444,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     man = json.loads(raw)
     expected = {f: (rec["size"], rec["xxh3_128"]) for f, rec in step_files(man).items()}
     entries = d["entries"]
+    repaired: list[int] = []  # this rank's directory of the step, once fit to receive (see _keep)
     done = [False] * len(entries)
     rounds = max((len(e[2]) for e in entries), default=0)
     for k in range(rounds):
@@ -453,8 +459,8 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                 src = srcs[k]
                 if src == me:
                     try:
-                        data = read_file(os.path.join(nd.step_dir(step), f), expected[f][0])
-                    except OSError:  # gone meanwhile: zeros, which the receiver rejects
+                        data = read_file(nd.file_path(step, f), expected[f][0])
+                    except (OSError, CheckpointError):  # gone meanwhile: zeros, which the receiver rejects
                         data = torch.zeros(expected[f][0], dtype=torch.uint8)
                     sends.append((dest, i, as_tensor(data)))
                 if dest == me and src != ROOT:
@@ -475,7 +481,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
                                       "failed verification"])
                     continue
-                _keep(nd, step, f, data, raw)
+                _keep(nd, step, f, data, raw, repaired)
                 got.append(i)
             return {"got": got, "failed": failed}
 
@@ -502,15 +508,12 @@ def nd_holds(plan: dict[str, Any], node: str, step: int, mhash: str | None) -> b
     return rec is not None and rec["manifest"] == mhash
 
 
-def _keep(nd: NodeDir, step: int, name: str, data: Any, manifest: bytes) -> None:
+def _keep(nd: NodeDir, step: int, name: str, data: Any, manifest: bytes, repaired: list[int]) -> None:
     """A fetched, verified file into this node's directory of ``step`` (created if the node
-    lost it), replacing a bad copy."""
-    d = nd.step_dir(step)
-    nd.ensure()
-    os.makedirs(d, exist_ok=True)
-    if not os.path.exists(os.path.join(d, MANIFEST)):
-        write_bytes_atomic(os.path.join(d, MANIFEST), manifest)
-    if not os.path.exists(os.path.join(d, TIER_FILE)):
-        rec = {"root": nd.root, "step": step, "node": nd.node, "own": [], "replicas": []}
-        write_bytes_atomic(os.path.join(d, TIER_FILE), json.dumps(rec).encode())
-    write_bytes_atomic(os.path.join(d, name), data)
+    lost it, repaired once per restore if its copy was damaged: ``NodeDir.repair_step``),
+    replacing a bad copy; written only inside that directory (``name`` is a name of the
+    validated manifest)."""
+    if step not in repaired:
+        nd.repair_step(step, manifest)
+        repaired.append(step)
+    write_bytes_atomic(nd.room_for(step, name), data)
