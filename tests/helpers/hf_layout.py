@@ -5,7 +5,37 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_two_ranks(script: str, out: str, *args: str, env: dict[str, str], timeout: float) -> dict:
+    """Run ``script out *args`` under torchrun with 2 ranks (its own process group, killed past
+    ``timeout``: a hang fails the test) and return the ``result.json`` it writes into ``out``."""
+    from tests.helpers.dist_harness import free_port
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env = {**clean, **env, "SAFECKPT_TIMEOUT": "60",
+           "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), script, out, *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun job hung (> {timeout}s):\n{log[-6000:]}")
+    assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
+    with open(os.path.join(out, "result.json")) as f:
+        return json.load(f)
 
 
 def header(path: str) -> dict:

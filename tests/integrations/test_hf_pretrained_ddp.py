@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -28,30 +26,15 @@ SCRIPT = os.path.join(HERE, "scripts", "hf_pretrained_ddp.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import hf_tiny as tiny  # noqa: E402
 
-from tests.helpers.hf_layout import assert_same_shards, tensors  # noqa: E402
+from tests.helpers.hf_layout import assert_same_shards, run_two_ranks, tensors  # noqa: E402
 
 LAUNCH_TIMEOUT = 240
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
 def test_ddp_checkpoint_is_a_sharded_model_directory_written_by_both_ranks(tmp_path) -> None:
-    from tests.helpers.dist_harness import free_port
-
     out = str(tmp_path / "out")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), SCRIPT, out]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun job hung (> {LAUNCH_TIMEOUT}s):\n{log[-6000:]}")
-    assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
+    run_two_ranks(SCRIPT, out, env=tiny.OFFLINE_ENV, timeout=LAUNCH_TIMEOUT)
 
     from transformers import AutoModelForCausalLM
 

@@ -10,10 +10,7 @@ Hugging Face model directories (``from_pretrained``) and pass ``safeckpt verify`
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +27,8 @@ SCRIPT = os.path.join(HERE, "scripts", "hf_tier.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import hf_tiny as tiny  # noqa: E402
 
+from tests.helpers.hf_layout import run_two_ranks  # noqa: E402
+
 LAUNCH_TIMEOUT = 300
 
 
@@ -38,25 +37,8 @@ def test_trainer_resumes_a_local_only_step_and_durable_steps_are_model_directori
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers.dist_harness import free_port
-
     out = str(tmp_path / "out")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env = {**clean, **tiny.OFFLINE_ENV, "SAFECKPT_TIMEOUT": "60",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), SCRIPT, out]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun job hung (> {LAUNCH_TIMEOUT}s):\n{log[-6000:]}")
-    assert proc.returncode == 0 and os.path.exists(os.path.join(out, "result.json")), log[-6000:]
-    with open(os.path.join(out, "result.json")) as f:
-        r = json.load(f)
+    r = run_two_ranks(SCRIPT, out, env=tiny.OFFLINE_ENV, timeout=LAUNCH_TIMEOUT)
 
     straight, crashed, resumed = r["straight"], r["crashed"], r["resumed"]
     assert straight["global_step"] == 6 and crashed["crashed"] and sorted(crashed["losses"], key=int)[-1] == "5"
