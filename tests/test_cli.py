@@ -562,3 +562,21 @@ def test_gc_puts_back_a_checkpoint_an_overwrite_set_aside(tmp_path):
     assert cli.main(["gc", str(root)]) == 0
     assert (root / "step-0000000005").is_dir() and not aside.exists()
     assert torch.equal(safeckpt.read_state_dict(str(root / "step-0000000005"))["w"], torch.arange(4.0))
+
+
+def test_ls_of_a_root_that_is_also_the_local_dir_shows_both(capsys, tmp_path):
+    """local_dir == root: the node's tier table and root's checkpoints, not the tier alone."""
+    root = str(tmp_path / "root")
+    with safeckpt.CheckpointManager(root, local_dir=root, durable_every=2, keep_last=2,
+                                    preemption_signals=()) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.arange(8, dtype=torch.float32) * step, "v": step})
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0
+    assert "local tier" in out, out
+    assert [ln.split()[0] for ln in out.splitlines() if ln.startswith("step-")] == [
+        "step-0000000002", "step-0000000003"], out
+    code, out, _ = run(capsys, "ls", "--json", root)
+    data = json.loads(out)
+    assert [e["step"] for e in data["entries"]] == [2, 3]
+    assert data["local_tier"] and data["local_tier"][0]["steps"], data["local_tier"]

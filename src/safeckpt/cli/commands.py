@@ -133,12 +133,12 @@ def _ls_local_tier(runs: list[dict[str, Any]], args: argparse.Namespace, ui: UI)
 
 def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
     root = _root(args.root)
-    if not is_remote(root):
-        runs = describe_local_tier(root)
-        if runs is not None:
-            return _ls_local_tier(runs, args, ui)
-    marks = _quarantine_marks(root)
     entries = scan(root)
+    # A node's local_dir: its tier table. A directory that is both (local_dir == root) shows both.
+    local_runs = None if is_remote(root) else describe_local_tier(root)
+    if local_runs is not None and not entries:
+        return _ls_local_tier(local_runs, args, ui)
+    marks = _quarantine_marks(root)
     managed = {e.name for e in entries}
     extra = _unmanaged(root, managed)
     lease = _lease(root)
@@ -180,8 +180,14 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
         rows.append(row)
 
     if args.json:
-        ui.json({"root": root, "lease": lease, "entries": rows, "quarantine": marks})
+        doc = {"root": root, "lease": lease, "entries": rows, "quarantine": marks}
+        if local_runs is not None:
+            doc["local_tier"] = local_runs
+        ui.json(doc)
         return 0
+    if local_runs is not None:
+        _ls_local_tier(local_runs, args, ui)
+        ui.echo("")
     if not rows:
         hint = " (it is a checkpoint itself: try `safeckpt inspect`)" if _has_manifest(root) else ""
         ui.echo(f"no checkpoints under {root}{hint}")
