@@ -41,7 +41,14 @@ from .engine.local_tier import (
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
 from .engine.save import new_job
 from .engine.staging import SnapshotPool
-from .engine.tier import drain, holders_of, refuse_non_finite, restore_local, save_local
+from .engine.tier import (
+    drain,
+    drain_from_tier,
+    holders_of,
+    refuse_non_finite,
+    restore_local,
+    save_local,
+)
 from .engine.tier import inventory as tier_inventory
 from .errors import (
     CheckpointError,
@@ -183,7 +190,10 @@ class CheckpointManager:
         self.replicas = int(replicas)
         self.keep_local = keep_local
         self.local_max_bytes = local_max_bytes
-        self._last: dict[str, Any] | None = None  # the newest local step: its job, and whether root has it
+        # the newest step whose background save succeeded: its job, and whether root has it
+        self._last: dict[str, Any] | None = None
+        self._last_local: dict[str, Any] | None = None  # the same, published on the local tier
+        self._staged: Any = None  # the job whose bytes the host buffers hold
         self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
 
     def __repr__(self) -> str:
@@ -457,8 +467,10 @@ class CheckpointManager:
         with paused_gc():
             job.agree()
             job.snapshot(self._pool)
-        self._last = {"job": job, "step": step, "durable": False, "name": name}
-        last = self._last
+        # The step close() drains is the newest one whose background save succeeded (never one
+        # that check_finite refused or whose save failed): set by run() below, not here.
+        last = {"job": job, "step": step, "durable": False, "name": name, "local": False}
+        self._staged = job  # the job whose staged bytes the host buffers hold now
         background = self._coord(f"async:{self.root}", what=f"background local save of step {step}")
         protect = {s for s in (self._restored,) if s is not None}
 
@@ -466,6 +478,10 @@ class CheckpointManager:
             done = save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
                               keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect,
                               signalled=signalled)
+            last["local"] = not done.get("skipped")
+            self._last = last
+            if last["local"]:
+                self._last_local = last
             if not (by_step or done["preempted"]):
                 return _TierResult(None, done["warnings"])
             try:
@@ -488,13 +504,26 @@ class CheckpointManager:
                      lambda saved: self._retain(True, saved), step)
 
     def _drain_last(self) -> None:
-        """At close: the newest local step to root, from its staged bytes, if root lacks it."""
+        """At close: the newest step whose save succeeded to root, if root lacks it: from its
+        staged bytes while the host buffers still hold them, else (a later save, e.g. one that
+        ``check_finite`` refused, reused the buffers) from the nodes' copies of it."""
         last = self._last
-        if last is None or last["durable"] or self._tier is None:
+        if self._tier is None or last is None:
+            return
+        if last["job"] is not self._staged:  # the buffers hold a later (failed) save's bytes
+            last = self._last_local
+            if last is None:
+                return
+        if last["durable"]:
             return
         coord = self._coord(what=f"drain of step {last['step']} to {self.root}")
         try:
-            self._drain(coord, last["job"], last["step"], last["name"])
+            if last["job"] is self._staged:
+                self._drain(coord, last["job"], last["step"], last["name"])
+            else:
+                path = join(self.root, last["name"] or self.dirname.format(last["step"]))
+                drain_from_tier(coord, self._tier, self._store, path, last["step"], lambda: self._begin(True),
+                                lambda saved: self._retain(True, saved))
         except CheckpointError as exc:
             if not _storage_failure(exc):
                 raise
@@ -590,8 +619,9 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         mark = {str(int(step)): str(reason)}
-        if self._last is not None and self._last["step"] == step:
-            self._last["durable"] = True  # close() must not drain it to root
+        for last in (self._last, self._last_local):
+            if last is not None and last["step"] == step:
+                last["durable"] = True  # close() must not drain it to root
         tier = self._tier
         coord = self._coord(what=f"quarantine of step {step}")
 
@@ -711,11 +741,29 @@ class CheckpointManager:
         With ``local_dir``, ``close()`` first commits the newest local step under root if root
         lacks it (collective). ``close(drain=False)`` skips that drain: for a job ending after a
         failure, where a collective drain could wait on a rank that is gone; the newest step
-        stays on the node-local tier, where a restart's restore finds it. Idempotent."""
+        stays on the node-local tier, where a restart's restore finds it. Idempotent.
+
+        The step drained is the newest one whose save succeeded: never one ``check_finite``
+        refused or whose background save failed. When the pending save failed (its error
+        raised here, on every rank), the newest good step is drained first (from the nodes'
+        copies: the failed save reused the host buffers), then the error is raised; a drain
+        that fails too is a warning then. After a rank died or timed out nothing is drained."""
         if self._closed:
             return
         try:
-            self.wait()
+            try:
+                self.wait()
+            except CheckpointError as exc:
+                # The pending save failed on every rank alike (check_finite refused it, ...): the
+                # newest step that did succeed is still drained, then the save's error is raised.
+                # Not after a rank died or timed out (the collective drain would wait on it).
+                if drain and _agreed_failure(exc):
+                    try:
+                        self._drain_last()
+                    except Exception as exc:  # noqa: BLE001 - the save's error stays the one raised
+                        warnings.warn(f"close: the drain of the newest good step to {self.root} failed "
+                                      f"too: {type(exc).__name__}: {exc}", SafeckptWarning, stacklevel=2)
+                raise
             if drain:
                 self._drain_last()
         finally:
@@ -738,6 +786,24 @@ class CheckpointManager:
             self.close()
         except Exception as close_exc:  # keep the original exception primary
             warnings.warn(f"while closing after an error: {close_exc}", SafeckptWarning, stacklevel=2)
+
+
+def _agreed_failure(exc: BaseException) -> bool:
+    """Every failing rank raised a checkpoint error of its own (check_finite's refusal, a
+    storage error, ...) and reported it: every rank is alive and past the failed phase, so a
+    collective (close()'s drain) can follow. False when a rank died, timed out or failed
+    otherwise."""
+    if not isinstance(exc, RankFailure):
+        return isinstance(exc, CheckpointError)
+    if not exc.failures:
+        return False
+    kinds, todo = set(), [CheckpointError]
+    while todo:
+        cls = todo.pop()
+        kinds.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    kinds.discard("RankFailure")
+    return all(line.split(":", 1)[0] in kinds for line in exc.failures.values())
 
 
 def _storage_failure(exc: BaseException) -> bool:

@@ -517,3 +517,72 @@ def _keep(nd: NodeDir, step: int, name: str, data: Any, manifest: bytes, repaire
         nd.repair_step(step, manifest)
         repaired.append(step)
     write_bytes_atomic(nd.room_for(step, name), data)
+
+def drain_from_tier(coord: Coordinator, nd: NodeDir, store: Storage, target: str, step: int,
+                    before: Callable[[], None], after_commit: Callable[[int | None], Any]) -> dict[str, Any]:
+    """Commit the nodes' copies of ``step`` under ``target`` (root): for a step whose staged
+    bytes a later save's copy-aside reused (``close()`` after that later save failed, e.g. its
+    ``check_finite`` refusal). Every rank reports what its node holds of the step; the
+    coordinator assigns each data file to a rank on a node holding it and begins the commit;
+    each rank copies its files, verified against the manifest, into root's staging place; the
+    coordinator commits the node's manifest with the extra files. Returns the manifest's
+    ``files`` (the commit raises on any failure, on every rank, nothing published)."""
+    def mine() -> dict[str, Any]:
+        rec, _why = nd.examine(step)
+        return {"node": nd.node, "files": sorted(rec["files"]) if rec else [], "manifest": rec["manifest"] if rec else None}
+
+    def assign(reports: list[dict[str, Any]]) -> dict[str, Any]:
+        raw, man = nd.read_manifest(step)  # the coordinator's node: published, so it holds the manifest
+        mhash = file_xxh3(raw)
+        data = sorted(man.get("files") or {})
+        who: dict[str, int] = {}
+        for i, f in enumerate(data):
+            ranks = [r for r, rep in enumerate(reports) if rep["manifest"] == mhash and f in rep["files"]]
+            if not ranks:
+                raise CheckpointError(f"drain of step {step} from the node-local tier: no node holds {f}")
+            who[f] = ranks[i % len(ranks)]
+        before()
+        staging = _commit.begin(store, target, True)
+        return {"staging": staging, "who": who, "manifest": raw.decode()}
+
+    hint = f"Nothing was committed under root; step {step} stays on the node-local tier."
+    plan = coord.decide("tier-drain-begin", mine, assign, hint=hint)
+    staging, raw = plan["staging"], plan["manifest"].encode()
+    listed = step_files(json.loads(raw))
+
+    def copy() -> list[str]:
+        done = []
+        for f, r in plan["who"].items():
+            if r != coord.rank:
+                continue
+            size, xxh = int(listed[f]["size"]), listed[f]["xxh3_128"]
+            data = read_file(nd.file_path(step, f), size).numpy()
+            if file_xxh3(data) != xxh:
+                raise CorruptCheckpoint(f"the node-local copy of {f} of step {step} on {nd.node} failed "
+                                        "verification")
+            store.put(store.join(staging["path"], f), data.tobytes())
+            done.append(f)
+        return done
+
+    def commit(_: Any) -> dict[str, Any]:
+        try:
+            man = json.loads(raw)
+            extras = {}
+            for name, rec in (man.get("extra") or {}).items():
+                data = read_file(nd.file_path(step, name), int(rec["size"])).numpy()
+                if file_xxh3(data) != rec["xxh3_128"]:
+                    raise CorruptCheckpoint(f"the node-local copy of the extra file {name} of step {step} "
+                                            "failed verification")
+                extras[name] = data.tobytes()
+            late = _commit.commit(store, target, staging, raw, overwrite=True, files=man.get("files") or {},
+                                  extras=extras)
+        except BaseException:
+            _commit.discard(store, target, staging)
+            raise
+        if late is not None:
+            raise CheckpointError(late)
+        after_commit(step)
+        return {"path": target}
+
+    coord.decide("tier-drain-write", copy, commit, hint=hint)
+    return {"path": target}

@@ -1,0 +1,102 @@
+"""Regression tests for the adversarial review of the node-local tier (issue 28), on real
+processes: 2 simulated nodes x 1 rank (GROUP_RANK per rank, each node its own local_dir), gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.helpers import dist_harness
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(step: int, rank: int, tag: float = 0.0) -> dict:
+    import safeckpt
+
+    return {"w": torch.arange(64, dtype=torch.float32) * step + tag,
+            "mine": safeckpt.PerRank(torch.full((4,), 100.0 * rank + step + tag)), "v": step}
+
+
+def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, kw: dict) -> list:
+    """Run ``plan`` on node ``rank`` (one rank per node): ("save", step[, tag]), ("nan", step),
+    ("close"[, drain]), ("restore", expected step, expected tag), ("local", dir) (a new manager
+    with another local_dir for this node). Returns what each op observed."""
+    import safeckpt
+
+    os.environ["GROUP_RANK"] = str(rank)
+    opts = dict(durable_every=10, replicas=1, keep_last=None, check_finite=True, preemption_signals=(),
+                timeout=20, **kw)
+
+    def manager(local: str) -> safeckpt.CheckpointManager:
+        return safeckpt.CheckpointManager(root, local_dir=os.path.join(nodes_dir, f"{local}{rank}"), **opts)
+
+    mgr = manager("node")
+    out: list = []
+    for op in plan:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                if op[0] == "local":
+                    mgr = manager(op[1])
+                    got = None
+                elif op[0] in ("save", "nan"):
+                    st = _state(op[1], rank, op[2] if len(op) > 2 else 0.0)
+                    if op[0] == "nan" and rank == 1:
+                        st["mine"].value[1] = float("nan")
+                    mgr.save(op[1], st)
+                    if op[0] == "save":
+                        mgr.wait()
+                    got = None
+                elif op[0] == "wait":
+                    got = mgr.wait() and None
+                elif op[0] == "close":
+                    mgr.close(drain=op[1] if len(op) > 1 else True)
+                    got = None
+                elif op[0] == "restore":
+                    st = _state(0, rank)
+                    got = mgr.restore(st)
+                    exp = _state(got if got is not None else 0, rank, op[2] if len(op) > 2 else 0.0)
+                    got = [got, torch.equal(st["w"], exp["w"]) and torch.equal(st["mine"].value, exp["mine"].value)]
+                out.append([op[0], got, None])
+            except Exception as exc:  # noqa: BLE001 - recorded
+                out.append([op[0], None, f"{type(exc).__name__}: {exc}"])
+        out[-1].append([str(w.message) for w in caught])
+    return out
+
+
+def _run(plan: list, tmp_path, **kw) -> list:
+    outs = dist_harness.run(_job, 2, str(tmp_path / "root"), str(tmp_path / "nodes"), plan, kw, timeout=60)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+    return [o.value for o in outs]
+
+
+def _root_steps(tmp_path) -> list[int]:
+    root = tmp_path / "root"
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-")) if root.is_dir() else []
+
+
+def test_close_drains_the_newest_good_step_never_a_refused_one(tmp_path):
+    """A step check_finite refused is never drained; close() drains the step before it (from the
+    nodes' copies: the refused save reused the host buffers), whether wait() already raised the
+    refusal or close() raises it; a restart from root alone restores the good step."""
+    from safeckpt.cli import app as cli
+
+    outs = _run([("save", 4), ("nan", 5), ("wait",), ("close",)], tmp_path / "a")
+    for out in outs:
+        assert out[2][2] and "check_finite" in out[2][2] and out[3][2] is None, out
+    assert _root_steps(tmp_path / "a") == [4]
+    assert cli.main(["verify", str(tmp_path / "a" / "root" / "step-0000000004")]) == 0
+
+    outs = _run([("save", 9), ("nan", 10), ("close",), ("close",)], tmp_path / "b")  # 10: durable by number
+    for out in outs:
+        assert out[2][2] and "check_finite" in out[2][2] and out[3][2] is None, out
+    assert _root_steps(tmp_path / "b") == [9]
+
+    outs = _run([("local", "fresh"), ("restore", 9), ("close", False)], tmp_path / "b")  # root only
+    assert all(out[1][1] == [9, True] for out in outs), outs
