@@ -57,9 +57,23 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, kw: dict)
                 elif op[0] == "close":
                     mgr.close(drain=op[1] if len(op) > 1 else True)
                     got = None
+                elif op[0] == "fail-publish":  # node 1 cannot publish its copy of this save
+                    from safeckpt.engine.local_tier import NodeDir
+
+                    plain = NodeDir.publish
+                    if rank == 1:
+                        def full(self, *a, **k):
+                            raise OSError(28, "No space left on device")
+                        NodeDir.publish = full
+                    try:
+                        mgr.save(op[1], _state(op[1], rank, op[2]))
+                        mgr.wait()
+                    finally:
+                        NodeDir.publish = plain
+                    got = None
                 elif op[0] == "restore":
                     st = _state(0, rank)
-                    got = mgr.restore(st)
+                    got = mgr.restore(st, step=op[3] if len(op) > 3 else None)
                     exp = _state(got if got is not None else 0, rank, op[2] if len(op) > 2 else 0.0)
                     got = [got, torch.equal(st["w"], exp["w"]) and torch.equal(st["mine"].value, exp["mine"].value)]
                 out.append([op[0], got, None])
@@ -100,3 +114,45 @@ def test_close_drains_the_newest_good_step_never_a_refused_one(tmp_path):
 
     outs = _run([("local", "fresh"), ("restore", 9), ("close", False)], tmp_path / "b")  # root only
     assert all(out[1][1] == [9, True] for out in outs), outs
+
+
+def test_a_restore_takes_roots_save_of_a_step_never_a_stale_node_copy(tmp_path):
+    """Job 1 saves 10 (durable), 11, 12 on the nodes and dies; job 2 runs elsewhere (other
+    local_dirs), resumes from root's 10, saves 11 and 12 again (other values) and closes (12
+    drained); job 3 is back on the first nodes, which still hold job 1's 11 and 12: root's 12
+    is the committed truth, restored with job 2's values, never job 1's copy."""
+    _run([("save", 10), ("save", 11), ("save", 12), ("close", False)], tmp_path)
+    outs = _run([("local", "other"), ("restore", 10), ("save", 11, 1000.0), ("save", 12, 1000.0), ("close",)],
+                tmp_path)
+    assert all(out[1][1] == [10, True] for out in outs), outs
+    assert _root_steps(tmp_path) == [10, 12]
+    outs = _run([("restore", 12, 1000.0), ("close", False)], tmp_path)
+    assert all(out[0][1] == [12, True] for out in outs), outs
+
+
+def test_a_save_after_a_rollback_wins_over_the_abandoned_history(tmp_path):
+    """20 and 22 saved; a rollback to 20; 22 saved again (other values) but node 1 cannot
+    publish its copy: a restore takes the new 22 (complete on node 0 with node 1's replica),
+    never node 1's copy of the abandoned 22, which the first save after the rollback removed."""
+    outs = _run([("save", 20), ("save", 22), ("restore", 20, 0.0, 20), ("fail-publish", 22, 1000.0),
+                 ("restore", 22, 1000.0)], tmp_path)
+    for out in outs:
+        assert out[2][1] == [20, True] and out[3][2] is None and out[4][1] == [22, True], out
+
+
+def test_holders_of_takes_roots_save_or_the_newest_never_a_mix():
+    from safeckpt.engine.tier import holders_of
+
+    def rec(h, sig, created, files):
+        return {"manifest": h, "sig": sig, "created": created, "files": files, "all": ["a", "b"]}
+
+    inv = {"n0": {"5": rec("old", "s-old", "2026-01-01T00:00:00", ["a", "b"])},
+           "n1": {"5": rec("new", "s-new", "2026-01-02T00:00:00", ["b"])},
+           "n2": {"5": rec("old", "s-old", "2026-01-01T00:00:00", ["a", "b"])}}
+    plan = {"inv": inv, "root": [], "root_sigs": {}}
+    assert holders_of(plan, 5) == ("new", ["a", "b"], {"b": ["n1"]})  # newest save, fewer copies
+    plan = {"inv": inv, "root": [5], "root_sigs": {"5": "s-old"}}
+    assert holders_of(plan, 5) == ("old", ["a", "b"], {"a": ["n0", "n2"], "b": ["n0", "n2"]})
+    plan = {"inv": inv, "root": [5], "root_sigs": {"5": "s-root"}}
+    assert holders_of(plan, 5)[0] is None  # root's own save: from root alone
+

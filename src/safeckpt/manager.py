@@ -35,6 +35,7 @@ from .engine.local_tier import (
     NodeTierStorage,
     quarantine_marks,
     read_record,
+    save_signature,
     step_files,
     tier_url,
 )
@@ -194,6 +195,7 @@ class CheckpointManager:
         self._last: dict[str, Any] | None = None
         self._last_local: dict[str, Any] | None = None  # the same, published on the local tier
         self._staged: Any = None  # the job whose bytes the host buffers hold
+        self._abandon_after: int | None = None  # restored step: the next save drops newer local steps
         self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
 
     def __repr__(self) -> str:
@@ -473,11 +475,13 @@ class CheckpointManager:
         self._staged = job  # the job whose staged bytes the host buffers hold now
         background = self._coord(f"async:{self.root}", what=f"background local save of step {step}")
         protect = {s for s in (self._restored,) if s is not None}
+        abandon = self._abandon_after
 
         def run() -> _TierResult:
             done = save_local(background, job, tier, step, replicas=self.replicas, check_finite=self.check_finite,
                               keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect,
-                              signalled=signalled)
+                              signalled=signalled, abandon_after=abandon)
+            self._abandon_after = None
             last["local"] = not done.get("skipped")
             self._last = last
             if last["local"]:
@@ -532,7 +536,7 @@ class CheckpointManager:
                 f"{exc}); it is on the node-local tier, which a restore uses") from exc
         last["durable"] = True
 
-    def _root_side(self) -> dict[str, Any]:
+    def _root_side(self, held: set[int] | None = None) -> dict[str, Any]:
         """Coordinator: root's committed steps and quarantine marks, and its damaged ones
         (history: a restore that finds nothing else raises rather than starting fresh); an
         unreachable root is a warning: the local tier still restores."""
@@ -542,7 +546,13 @@ class CheckpointManager:
             damaged = [[e.step, f"step {e.step} (root): {e.path}: {e.problem}"] for e in found
                        if e.status == "corrupt" and e.step is not None]
             paths = {str(e.step): e.path for e in sorted(entries, key=lambda e: e.path)}
-            return {"steps": sorted({e.step for e in entries}), "paths": paths, "quarantine": self._root_quarantine(),
+            sigs = {}
+            for s, path in paths.items():  # root's save of a step the nodes hold too: which one it is
+                if int(s) in (held or ()):
+                    with contextlib.suppress(Exception):
+                        sigs[s] = save_signature(self._store.read_manifest(path))
+            return {"steps": sorted({e.step for e in entries}), "paths": paths, "sigs": sigs,
+                    "quarantine": self._root_quarantine(),
                     "damaged": damaged, "warnings": [f"ignoring {why[len(f'step {s} (root): '):]}: corrupt"
                                                      for s, why in damaged]}
         except Exception as exc:  # noqa: BLE001 - root is one tier among several
@@ -595,12 +605,14 @@ class CheckpointManager:
                 except (CorruptCheckpoint, CheckpointNotFound) as exc:
                     reasons.append(f"step {cand} (root): {exc}")
                     continue
+                self._abandon_after = got
                 return got
             root_file = self._root_file(plan["root_paths"][str(cand)]) if cand in plan["root"] else None
             if restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
                              root_file=root_file, reasons=reasons):
                 self._restored = cand
                 self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.tag, cand))
+                self._abandon_after = cand
                 return cand
             warnings.warn(f"step {cand} could not be restored from any tier ({reasons[-1]}); trying an "
                           "older step", SafeckptWarning, stacklevel=2)

@@ -100,6 +100,14 @@ def step_files(man: Mapping[str, Any]) -> dict[str, Any]:
     return {**(files if isinstance(files, dict) else {}), **(extra if isinstance(extra, dict) else {})}
 
 
+def save_signature(man: Mapping[str, Any]) -> str:
+    """What identifies one save of a step across the tiers: the xxh3-128 of the sorted
+    checksums of its files (a node's copy and root's drain of the same save have the same
+    file bytes, but other file names and manifest times)."""
+    sums = sorted(str(rec.get("xxh3_128")) if isinstance(rec, dict) else "" for rec in step_files(man).values())
+    return file_xxh3("\n".join(sums).encode())
+
+
 def file_xxh3(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
@@ -347,8 +355,10 @@ class NodeDir:
         if bad:
             why = (f"the node's copies of {len(bad)} file(s) are damaged and are not used ({'; '.join(bad[:3])}"
                    f"{'; ...' if len(bad) > 3 else ''}); they come from another copy")
+        created = man.get("created_at")
         return {"manifest": file_xxh3(raw), "world": man.get("world_size"), "files": sorted(files),
-                "all": sorted(listed)}, why
+                "all": sorted(listed), "sig": save_signature(man),
+                "created": created if isinstance(created, str) else ""}, why
 
     def step_record(self, step: int) -> dict[str, Any] | None:
         """What this node holds of ``step`` (see :meth:`examine`), or None."""

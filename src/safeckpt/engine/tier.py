@@ -24,7 +24,9 @@ Restore: inventory (every node's steps, files, manifest hashes; root's steps; qu
 for each candidate step, newest first: verify (each node's ranks hash their node's copies) ->
 fetch rounds (each missing or bad file from the next holder, over the group, else from root,
 verified on arrival) -> ``engine.load.load`` through the tier URL. A step some file of which
-has no valid copy is skipped by every rank together.
+has no valid copy is skipped by every rank together. Of a step root holds, only the nodes'
+copies of root's save are used; of one it lacks, the newest save (``holders_of``). The first
+save after a restore removes the nodes' steps newer than the restored one (``abandon_after``).
 """
 
 from __future__ import annotations
@@ -68,10 +70,13 @@ ROOT = -1  # a fetch source: read the file from root
 
 def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: Any,
                keep_local: int | None, max_bytes: int | None, protect: set[int],
-               signalled: bool = False) -> dict[str, Any]:
+               signalled: bool = False, abandon_after: int | None = None) -> dict[str, Any]:
     """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
     files (its data file and the named files it writes) on its node and their replicas; the
-    coordinator's extra files on every node (sent with the manifest, checked against it)."""
+    coordinator's extra files on every node (sent with the manifest, checked against it).
+    ``abandon_after``: the first save after a restore of that (older) step: the node's local
+    steps newer than it belong to the abandoned history and are removed first (not the ones
+    quarantined: their bytes are kept for inspection)."""
     token = job.staging_token
     part = nd.partial(step, token)
 
@@ -84,6 +89,11 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                     f"check_finite: step {step} holds NaN/Inf in {', '.join(bad[:10])}"
                     + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
                     + "; the step was not committed on any tier (the previous steps are intact)")
+        if abandon_after is not None:
+            marked = nd.quarantined()
+            for s in nd.steps():
+                if s > abandon_after and str(s) not in marked:
+                    shutil.rmtree(nd.step_dir(s), ignore_errors=True)
         for attempt in (0, 1):
             try:
                 nd.ensure()
@@ -320,8 +330,9 @@ def drain(coord: Coordinator, job: Any, store: Storage, target: str, before: Cal
 
 
 def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """One exchange: every node's steps and the root's (``root_side()`` on the coordinator:
-    ``{"steps": [...], "quarantine": {...}, "warnings": [...]}``)."""
+    """One exchange: every node's steps and the root's (``root_side(steps the nodes hold)`` on
+    the coordinator: ``{"steps": [...], "sigs": {step: save_signature of root's manifest, for
+    the steps the nodes hold too}, "quarantine": {...}, "warnings": [...]}``)."""
     def mine() -> dict[str, Any]:
         inv, damaged = nd.survey()
         return {"node": nd.node, "inv": inv, "damaged": damaged, "q": nd.quarantined()}
@@ -336,11 +347,12 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
                 notes += [f"restore: step {s} on {v['node']}: {why}" for s, why in sorted(v["damaged"].items())]
             inv.setdefault(v["node"], v["inv"])
             quarantine.update(v["q"])
-        root = root_side()
+        root = root_side({int(s) for i in inv.values() for s in i})
         quarantine.update(root.get("quarantine", {}))
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
         cands = sorted((s for s in steps if str(s) not in quarantine), reverse=True)
         return {"nodes": nodes, "inv": inv, "root": root["steps"], "root_paths": root.get("paths", {}), "cands": cands,
+                "root_sigs": root.get("sigs", {}),
                 "quarantine": quarantine, "root_damaged": root.get("damaged", []),
                 "warnings": root.get("warnings", []) + notes}
 
@@ -348,21 +360,31 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
 
 
 def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], dict[str, list[str]]]:
-    """(the manifest hash to use, its files, file -> nodes holding a copy) for ``step``: the
-    save with the most copies when nodes hold different saves of one step number."""
+    """(the manifest hash to use, its files, file -> nodes holding a copy) for ``step``. When
+    root holds the step, root's save is the committed truth: only the nodes' copies of that
+    save count (the same files, :func:`save_signature`), and with none the step comes from root
+    alone (None). When only nodes hold it and they hold different saves of that step number
+    (a job that rolled back and saved it again elsewhere, or whose save failed on some node),
+    the newest save wins (the manifest's time; then the most copies), never a mix of files
+    of different saves."""
     by_hash: dict[str, dict[str, list[str]]] = {}
     names: dict[str, list[str]] = {}
+    created: dict[str, str] = {}
+    root_sig = (plan.get("root_sigs") or {}).get(str(step)) if step in plan.get("root", ()) else None
     for node, inv in plan["inv"].items():
         rec = inv.get(str(step))
         if rec is None:
             continue
+        if step in plan.get("root", ()) and rec.get("sig") != root_sig:
+            continue  # another save than root's (or root's manifest unreadable): not this step
         names[rec["manifest"]] = rec["all"]
+        created[rec["manifest"]] = str(rec.get("created") or "")
         held = by_hash.setdefault(rec["manifest"], {})
         for f in rec["files"]:
             held.setdefault(f, []).append(node)
     if not by_hash:
         return None, [], {}
-    best = max(sorted(by_hash), key=lambda h: (len(by_hash[h]), sum(map(len, by_hash[h].values()))))
+    best = max(sorted(by_hash), key=lambda h: (created[h], len(by_hash[h]), sum(map(len, by_hash[h].values()))))
     return best, names[best], by_hash[best]
 
 
@@ -517,6 +539,7 @@ def _keep(nd: NodeDir, step: int, name: str, data: Any, manifest: bytes, repaire
         nd.repair_step(step, manifest)
         repaired.append(step)
     write_bytes_atomic(nd.room_for(step, name), data)
+
 
 def drain_from_tier(coord: Coordinator, nd: NodeDir, store: Storage, target: str, step: int,
                     before: Callable[[], None], after_commit: Callable[[int | None], Any]) -> dict[str, Any]:
