@@ -71,6 +71,14 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, kw: dict)
                     finally:
                         NodeDir.publish = plain
                     got = None
+                elif op[0] == "enospc":  # this node's disk is full from now on (its heal fails)
+                    import safeckpt.engine.tier as tier
+
+                    if rank == op[1]:
+                        def nospace(*a, **k):
+                            raise OSError(28, "No space left on device")
+                        tier.write_bytes_atomic = nospace
+                    got = None
                 elif op[0] == "restore":
                     st = _state(0, rank)
                     got = mgr.restore(st, step=op[3] if len(op) > 3 else None)
@@ -83,8 +91,8 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, kw: dict)
     return out
 
 
-def _run(plan: list, tmp_path, **kw) -> list:
-    outs = dist_harness.run(_job, 2, str(tmp_path / "root"), str(tmp_path / "nodes"), plan, kw, timeout=60)
+def _run(plan: list, tmp_path, world: int = 2, **kw) -> list:
+    outs = dist_harness.run(_job, world, str(tmp_path / "root"), str(tmp_path / "nodes"), plan, kw, timeout=60)
     for o in outs:
         assert o.ok, (o.rank, o.error_type, o.message)
     return [o.value for o in outs]
@@ -156,3 +164,29 @@ def test_holders_of_takes_roots_save_or_the_newest_never_a_mix():
     plan = {"inv": inv, "root": [5], "root_sigs": {"5": "s-root"}}
     assert holders_of(plan, 5)[0] is None  # root's own save: from root alone
 
+
+def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
+    """A node whose disk is full cannot keep the files it fetches: a warning, and the step (in
+    root) is restored from root, never a RankFailure. With local_max_bytes, a node healed after
+    losing its directory keeps only what a save places there (its file and the replica it
+    receives), within the budget; the other nodes still hold every file."""
+    import shutil
+
+    from safeckpt.engine.local_tier import dir_bytes
+
+    _run([("save", 10), ("close", False)], tmp_path / "a")
+    shutil.rmtree(tmp_path / "a" / "nodes" / "node1")
+    outs = _run([("enospc", 1), ("restore", 10), ("close", False)], tmp_path / "a")
+    for out in outs:
+        assert out[1][1] == [10, True] and out[1][2] is None, out
+        assert any("could not keep" in w for w in out[1][3]), out
+
+    _run([("save", 10), ("save", 11), ("close", False)], tmp_path / "b", world=3, keep_local=1)
+    nodes = tmp_path / "b" / "nodes"
+    budget = max(dir_bytes(str(nodes / f"node{i}")) for i in range(3)) + 64
+    shutil.rmtree(nodes / "node1")
+    outs = _run([("restore", 11), ("close", False)], tmp_path / "b", world=3, keep_local=1, local_max_bytes=budget)
+    assert all(out[0][1] == [11, True] for out in outs), outs
+    assert all(dir_bytes(str(nodes / f"node{i}")) <= budget for i in range(3))
+    outs = _run([("local", "node"), ("restore", 11), ("close", False)], tmp_path / "b", world=3)  # still whole
+    assert all(out[1][1] == [11, True] for out in outs), outs

@@ -608,8 +608,18 @@ class CheckpointManager:
                 self._abandon_after = got
                 return got
             root_file = self._root_file(plan["root_paths"][str(cand)]) if cand in plan["root"] else None
-            if restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
-                             root_file=root_file, reasons=reasons):
+            got = restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
+                                root_file=root_file, reasons=reasons, keep_local=self.keep_local,
+                                max_bytes=self.local_max_bytes, replicas=self.replicas)
+            if got == "root":  # a node could not keep its healed copies: the step from root
+                try:
+                    got = self._restore_root(state, cand, strict, skip=quarantined)
+                except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                    reasons.append(f"step {cand} (root): {exc}")
+                    continue
+                self._abandon_after = got
+                return got
+            if got:
                 self._restored = cand
                 self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.tag, cand))
                 self._abandon_after = cand

@@ -390,9 +390,14 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
                   *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
-                  reasons: list[str]) -> bool:
+                  reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
+                  replicas: int = 1) -> bool | str:
     """Assemble ``step`` on every node and load it. False (on every rank) when some file has
-    no valid copy or the load found damage (the reason is appended); True when loaded."""
+    no valid copy or the load found damage (the reason is appended); True when loaded.
+    Healing is best effort: a node that cannot write a fetched file (ENOSPC, ...) warns, and
+    the step is then loaded from root (``"root"`` returned: the caller does) when root holds
+    it, else False (an older step). After the load each node applies ``keep_local`` and
+    ``max_bytes`` (a healed node may be over its budget)."""
     mhash, names, holders = holders_of(plan, step)
     nodes: list[str] = plan["nodes"]
     me = coord.rank
@@ -469,13 +474,14 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     repaired: list[int] = []  # this rank's directory of the step, once fit to receive (see _keep)
     done = [False] * len(entries)
     rounds = max((len(e[2]) for e in entries), default=0)
+    unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
     for k in range(rounds):
         todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
         if not any(not done[i] for i in range(len(entries))):
             break
 
         def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
-            sends, recvs, got, failed = [], [], [], []
+            sends, recvs, got, failed, unhealed = [], [], [], [], []
             for i in todo:
                 dest, f, srcs = entries[i]
                 src = srcs[k]
@@ -503,9 +509,12 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
                                       "failed verification"])
                     continue
-                _keep(nd, step, f, data, raw, repaired)
+                try:
+                    _keep(nd, step, f, data, raw, repaired)
+                except OSError as exc:  # healing is best effort: the file is here, not on disk
+                    unhealed.append(f"{f} on {nd.node}: {type(exc).__name__}: {exc}")
                 got.append(i)
-            return {"got": got, "failed": failed}
+            return {"got": got, "failed": failed, "unhealed": unhealed}
 
         res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
         for rep in res:
@@ -513,16 +522,48 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                 done[i] = True
             for _i, why in rep["failed"]:
                 warn(f"restore of step {step}: {why}; trying the next copy")
+            unhealed += rep["unhealed"]
     if not all(done):
         missing = sorted({entries[i][1] for i in range(len(entries)) if not done[i]})
         reasons.append(f"step {step}: no copy of {', '.join(missing[:5])} could be fetched and verified")
+        return False
+    if unhealed:
+        warn(f"restore of step {step}: a node could not keep the copies it fetched ({'; '.join(unhealed[:3])}"
+             f"{'; ...' if len(unhealed) > 3 else ''}): " + ("loading the step from root" if in_root else
+                                                            "its node-local tier is not healed"))
+        if in_root and root_file is not None:
+            return "root"
+        reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
         return False
     try:
         load(tier_url(nd.tag, step), state, strict=strict, timeout=timeout)
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
         return False
+    if pos == 0 and (keep_local is not None or max_bytes is not None):
+        with contextlib.suppress(OSError):  # the healed node within its budget (never this step)
+            nd.retain(keep_local, max_bytes, {step})
+            if max_bytes is not None and nd.nbytes() > max_bytes:
+                _trim(nd, step, man, nodes, members, replicas)
     return True
+
+
+def _trim(nd: NodeDir, step: int, man: dict[str, Any], nodes: list[str], members: list[int], replicas: int) -> None:
+    """After a restore healed every file of ``step`` onto this node and the node is still over
+    ``local_max_bytes``: keep only what a save would have placed here (the data files of its
+    ranks and the replicas it would receive, the extra files and the records); every other
+    file stays on the node of its rank. Nothing when the step was saved on another world."""
+    files = man.get("files") or {}
+    if man.get("world_size") != len(nodes):
+        return
+    targets = replica_targets(nodes, replicas)
+    mine = set(members)
+    for name, rec in files.items():
+        r = rec.get("rank") if isinstance(rec, dict) else None
+        if not isinstance(r, int) or r in mine or mine & set(targets.get(r, [])):
+            continue
+        with contextlib.suppress(OSError, CheckpointError):
+            os.unlink(nd.file_path(step, name))
 
 
 def nd_holds(plan: dict[str, Any], node: str, step: int, mhash: str | None) -> bool:
