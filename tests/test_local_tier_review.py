@@ -165,6 +165,31 @@ def test_holders_of_takes_roots_save_or_the_newest_never_a_mix():
     assert holders_of(plan, 5)[0] is None  # root's own save: from root alone
 
 
+def test_durable_every_drains_a_schedule_that_never_hits_a_multiple(tmp_path):
+    """durable_every=10 with saves at 9, 19, 29, ...: the first save at or past each next
+    multiple is durable (19, 29, 35, 41); multiples stay durable; after a restore the schedule goes
+    on from the newest step root holds."""
+    import safeckpt
+
+    def mgr(local: str) -> safeckpt.CheckpointManager:
+        return safeckpt.CheckpointManager(tmp_path / "root", local_dir=tmp_path / local, durable_every=10,
+                                          keep_last=None, preemption_signals=())
+
+    m = mgr("l0")
+    for s in (9, 19, 29, 35, 41, 43, 50, 51):
+        m.save(s, {"w": torch.full((4,), float(s))})
+        m.wait()
+    assert _root_steps(tmp_path) == [19, 29, 35, 41, 50]
+    m.close(drain=False)
+    m = mgr("l1")  # a fresh node: root's 50
+    assert m.restore({"w": torch.zeros(4)}) == 50
+    for s in (53, 59, 61):
+        m.save(s, {"w": torch.full((4,), float(s))})
+        m.wait()
+    assert _root_steps(tmp_path) == [19, 29, 35, 41, 50, 61]
+    m.close(drain=False)
+
+
 def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
     """A node whose disk is full cannot keep the files it fetches: a warning, and the step (in
     root) is restored from root, never a RankFailure. With local_max_bytes, a node healed after
@@ -190,3 +215,4 @@ def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
     assert all(dir_bytes(str(nodes / f"node{i}")) <= budget for i in range(3))
     outs = _run([("local", "node"), ("restore", 11), ("close", False)], tmp_path / "b", world=3)  # still whole
     assert all(out[1][1] == [11, True] for out in outs), outs
+

@@ -118,7 +118,9 @@ class CheckpointManager:
             torchrun's ``GROUP_RANK``, else the host name. After a failure,
             ``close(drain=False)`` closes without that last drain (the step stays local).
         durable_every: with ``local_dir``: commit under root every this many steps (by step
-            number; None: only on preemption and at close).
+            number: a multiple of it, or the first save at or past the next multiple after the
+            last step root holds, so that saves at 9, 19, 29 drain too; None: only on
+            preemption and at close).
         replicas: with ``local_dir``: copies of each rank's file on other nodes.
         check_finite: refuse to commit (on any tier) a step whose floating tensors hold NaN or
             Inf; the error names them. True checks every tensor; a collection of state entry
@@ -196,6 +198,7 @@ class CheckpointManager:
         self._last_local: dict[str, Any] | None = None  # the same, published on the local tier
         self._staged: Any = None  # the job whose bytes the host buffers hold
         self._abandon_after: int | None = None  # restored step: the next save drops newer local steps
+        self._last_durable: int | None = None  # the newest step root holds (durable_every's schedule)
         self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
 
     def __repr__(self) -> str:
@@ -459,7 +462,9 @@ class CheckpointManager:
         assert tier is not None and self._saver is not None
         # Durable by step number, or because a rank was preempted: that flag is agreed in the
         # background's first exchange (an all-reduce here cost a collective in the blocking part).
-        by_step = (self.durable_every is not None and step % self.durable_every == 0) or self._preempted
+        by_step = self._durable_by_step(step) or self._preempted
+        if by_step:  # a drain attempted: the schedule goes on from here, whether root took it or not
+            self._last_durable = step
         signalled = bool(self._watcher and self._watcher.flag)
         request = SaveRequest(target=tier_url(tier.tag, step), state=state, metadata=metadata, overwrite=True,
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
@@ -502,6 +507,19 @@ class CheckpointManager:
         self._saver.submit(run, f"step {step}")
         return None
 
+    def _durable_by_step(self, step: int) -> bool:
+        """``durable_every``: a multiple of it, or the first save at or past the next multiple
+        after the last step root holds (a schedule saving at 9, 19, 29 drains 19, 29, ...):
+        ``step // d > last // d``, with ``last`` the last step this manager drained (or tried
+        to: a drain root refused is tried again at the next durable step), else the newest step
+        root held at or before the restored step (the restored step when root held none, or
+        could not be listed), else 0."""
+        d = self.durable_every
+        if d is None:
+            return False
+        last = self._last_durable if self._last_durable is not None else 0
+        return step % d == 0 or step // d > last // d
+
     def _drain(self, coord: Coordinator, job: Any, step: int, name: str | None) -> CheckpointInfo:
         path = join(self.root, name or self.dirname.format(step))
         return drain(coord, job, self._store, path, lambda: self._begin(True),
@@ -535,6 +553,7 @@ class CheckpointManager:
                 f"close: step {last['step']} was not committed under {self.root} (the storage failed: "
                 f"{exc}); it is on the node-local tier, which a restore uses") from exc
         last["durable"] = True
+        self._last_durable = last["step"]
 
     def _root_side(self, held: set[int] | None = None) -> dict[str, Any]:
         """Coordinator: root's committed steps and quarantine marks, and its damaged ones
@@ -590,6 +609,7 @@ class CheckpointManager:
         assert tier is not None
         coord = self._coord(what=f"restore from the node-local tier of {self.root}")
         plan = tier_inventory(coord, tier, self._root_side)
+        self._last_durable = None
         for note in plan["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=3)
         quarantined = {int(s) for s in plan["quarantine"]}
@@ -606,6 +626,7 @@ class CheckpointManager:
                     reasons.append(f"step {cand} (root): {exc}")
                     continue
                 self._abandon_after = got
+                self._last_durable = got
                 return got
             root_file = self._root_file(plan["root_paths"][str(cand)]) if cand in plan["root"] else None
             got = restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
@@ -618,11 +639,13 @@ class CheckpointManager:
                     reasons.append(f"step {cand} (root): {exc}")
                     continue
                 self._abandon_after = got
+                self._last_durable = got
                 return got
             if got:
                 self._restored = cand
                 self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.tag, cand))
                 self._abandon_after = cand
+                self._last_durable = max((s for s in plan["root"] if s <= cand), default=cand)
                 return cand
             warnings.warn(f"step {cand} could not be restored from any tier ({reasons[-1]}); trying an "
                           "older step", SafeckptWarning, stacklevel=2)
