@@ -136,6 +136,8 @@ def test_a_restore_takes_roots_save_of_a_step_never_a_stale_node_copy(tmp_path):
     assert _root_steps(tmp_path) == [10, 12]
     outs = _run([("restore", 12, 1000.0), ("close", False)], tmp_path)
     assert all(out[0][1] == [12, True] for out in outs), outs
+    stale = [p for p in (tmp_path / "nodes").glob("node*/run-*/step-0000000012")]
+    assert stale == [], stale  # job 1's copies of 12 are removed by the restore from root
 
 
 def test_a_save_after_a_rollback_wins_over_the_abandoned_history(tmp_path):
@@ -216,3 +218,24 @@ def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
     outs = _run([("local", "node"), ("restore", 11), ("close", False)], tmp_path / "b", world=3)  # still whole
     assert all(out[1][1] == [11, True] for out in outs), outs
 
+
+def test_two_managers_of_one_root_with_other_local_dirs_in_one_process(tmp_path):
+    """A second manager of the same root with another local_dir (one process) does not take
+    over the first one's node directory: each restores its own steps."""
+    import safeckpt
+
+    def mgr(local: str) -> safeckpt.CheckpointManager:
+        return safeckpt.CheckpointManager(tmp_path / "root", local_dir=tmp_path / local, durable_every=None,
+                                          keep_last=None, preemption_signals=())
+
+    a, b = mgr("la"), mgr("lb")
+    a.save(1, {"w": torch.full((4,), 1.0)})
+    a.wait()
+    b.save(2, {"w": torch.full((4,), 2.0)})
+    b.wait()
+    for m, step in ((a, 1), (b, 2)):
+        st = {"w": torch.zeros(4)}
+        assert m.restore(st) == step and st["w"][0].item() == float(step)
+    assert a.restored_path != b.restored_path
+    a.close(drain=False)
+    b.close(drain=False)

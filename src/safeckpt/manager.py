@@ -73,7 +73,7 @@ from .storage.catalog import (
     scan,
     sweep,
 )
-from .storage.posix import PosixStorage
+from .storage.posix import PosixStorage, remove_tree
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -466,7 +466,7 @@ class CheckpointManager:
         if by_step:  # a drain attempted: the schedule goes on from here, whether root took it or not
             self._last_durable = step
         signalled = bool(self._watcher and self._watcher.flag)
-        request = SaveRequest(target=tier_url(tier.tag, step), state=state, metadata=metadata, overwrite=True,
+        request = SaveRequest(target=tier_url(tier.key, step), state=state, metadata=metadata, overwrite=True,
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
                               named=named)
         coord = self._coord(what=f"local save of step {step}")
@@ -625,6 +625,9 @@ class CheckpointManager:
                 except (CorruptCheckpoint, CheckpointNotFound) as exc:
                     reasons.append(f"step {cand} (root): {exc}")
                     continue
+                if str(cand) in plan["inv"].get(tier.node, {}):  # another save than root's: stale
+                    with contextlib.suppress(OSError):
+                        remove_tree(tier.step_dir(cand))
                 self._abandon_after = got
                 self._last_durable = got
                 return got
@@ -643,7 +646,7 @@ class CheckpointManager:
                 return got
             if got:
                 self._restored = cand
-                self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.tag, cand))
+                self._restored_at = (NodeTierStorage(self.timeout), tier_url(tier.key, cand))
                 self._abandon_after = cand
                 self._last_durable = max((s for s in plan["root"] if s <= cand), default=cand)
                 return cand

@@ -69,7 +69,7 @@ QUARANTINE_FILE = "quarantine.json"
 ROOT_QUARANTINE = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (mgr.quarantine)
 TIER_FORMAT = "safeckpt-local-tier"
 RECORD_MAX = 1 << 20  # bytes of a tier.json or quarantine.json read at most (they are tiny)
-_BASES: dict[str, str] = {}  # tag -> this process's node directory of that run
+_BASES: dict[str, str] = {}  # key (NodeDir.key) -> this process's node directory of that run
 
 
 def node_id() -> str:
@@ -247,7 +247,16 @@ class NodeDir:
         self.tag = tier_tag(root)
         self.base = os.path.join(self.local_dir, self.tag)
         self.node = node_id()
-        _BASES[self.tag] = self.base
+        # The tier URL's key of this directory in this process: the run's tag, unless another
+        # manager of this process registered the tag for another local_dir (then tag~1, ...):
+        # two managers of one root with different local_dirs never read each other's steps.
+        # (Managers are made in the same order on every rank, so the key is the same string.)
+        self.key = self.tag
+        n = 0
+        while _BASES.get(self.key, self.base) != self.base:
+            n += 1
+            self.key = f"{self.tag}~{n}"
+        _BASES[self.key] = self.base
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.base, step_name(step))

@@ -536,7 +536,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
         return False
     try:
-        load(tier_url(nd.tag, step), state, strict=strict, timeout=timeout)
+        load(tier_url(nd.key, step), state, strict=strict, timeout=timeout)
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
         return False
