@@ -843,15 +843,7 @@ def _agreed_failure(exc: BaseException) -> bool:
     otherwise."""
     if not isinstance(exc, RankFailure):
         return isinstance(exc, CheckpointError)
-    if not exc.failures:
-        return False
-    kinds, todo = set(), [CheckpointError]
-    while todo:
-        cls = todo.pop()
-        kinds.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    kinds.discard("RankFailure")
-    return all(line.split(":", 1)[0] in kinds for line in exc.failures.values())
+    return _every_rank_raised(exc, CheckpointError, but=RankFailure)
 
 
 def _storage_failure(exc: BaseException) -> bool:
@@ -860,13 +852,21 @@ def _storage_failure(exc: BaseException) -> bool:
     phase's decision arrives as such a RankFailure)."""
     if isinstance(exc, StorageError):
         return True
-    if not isinstance(exc, RankFailure) or not exc.failures:
+    return isinstance(exc, RankFailure) and _every_rank_raised(exc, StorageError)
+
+
+def _every_rank_raised(exc: RankFailure, base: type, but: type | None = None) -> bool:
+    """Every failing rank's reported error (``"TypeName: message"``) is ``base`` or a subclass
+    of it other than ``but``; False when no rank reported one."""
+    if not exc.failures:
         return False
-    kinds, todo = set(), [StorageError]
+    kinds, todo = set(), [base]
     while todo:
         cls = todo.pop()
         kinds.add(cls.__name__)
         todo.extend(cls.__subclasses__())
+    if but is not None:
+        kinds.discard(but.__name__)
     return all(line.split(":", 1)[0] in kinds for line in exc.failures.values())
 
 

@@ -51,10 +51,10 @@ import xxhash
 from ..errors import CheckpointError, CorruptCheckpoint, SafeckptWarning
 from ..format.manifest import (
     MANIFEST,
-    check_manifest_size,
     open_regular,
     parse_manifest,
     pread_all,
+    read_manifest_fd,
     retry_io,
     safe_file_path,
     written_file_path,
@@ -247,6 +247,7 @@ class NodeDir:
         self.tag = tier_tag(root)
         self.base = os.path.join(self.local_dir, self.tag)
         self.node = node_id()
+        self._parsed: dict[str, dict[str, Any]] = {}  # manifest xxh3 -> parsed (the newest 8)
         # The tier URL's key of this directory in this process: the run's tag, unless another
         # manager of this process registered the tag for another local_dir (then tag~1, ...):
         # two managers of one root with different local_dirs never read each other's steps.
@@ -299,20 +300,14 @@ class NodeDir:
             fd = open_regular(path, d, dir_fd=dfd, name=MANIFEST)
         finally:
             os.close(dfd)
-        try:
-            size = os.fstat(fd).st_size
-            check_manifest_size(size, path, d)
-            raw = retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
-        finally:
-            os.close(fd)
+        raw = read_manifest_fd(fd, path, d)
         key = file_xxh3(raw)
-        man = self._parsed.get(key) if hasattr(self, "_parsed") else None
+        man = self._parsed.get(key)
         if man is None:
             man = parse_manifest(raw, d)
-            cache = self.__dict__.setdefault("_parsed", {})
-            if len(cache) >= 8:
-                cache.pop(next(iter(cache)))
-            cache[key] = man
+            if len(self._parsed) >= 8:
+                self._parsed.pop(next(iter(self._parsed)))
+            self._parsed[key] = man
         return raw, man
 
     def file_path(self, step: int, name: str) -> str:
@@ -545,8 +540,8 @@ def describe(path: str) -> list[dict[str, Any]] | None:
         rec = read_record(os.path.join(d, TIER_FILE), 1 << 16)
         if not isinstance(rec, dict) or rec.get("format") != TIER_FORMAT:
             return None
-        nd = NodeDir.__new__(NodeDir)
-        nd.base, nd.root = d, str(rec.get("root"))
+        nd = NodeDir.__new__(NodeDir)  # a reader of one run directory: no tier URL key to register
+        nd.base, nd.root, nd._parsed = d, str(rec.get("root")), {}
         marks = nd.quarantined()
         steps = []
         for s in nd.steps():

@@ -255,13 +255,18 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
         if not os.path.lexists(path):
             raise CheckpointNotFound(f"no checkpoint at {ckpt_dir} (it was deleted)", path=ckpt_dir) from None
         raise
+    return parse_manifest(read_manifest_fd(fd, path, ckpt_dir), ckpt_dir)
+
+
+def read_manifest_fd(fd: int, path: str, ckpt_dir: str) -> bytes:
+    """The bytes of the manifest open as ``fd`` (closed here), refused past
+    ``max_manifest_bytes()`` before any is read; transient errors retried (``retry_io``)."""
     try:
         size = os.fstat(fd).st_size
         check_manifest_size(size, path, ckpt_dir)
-        raw = retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
+        return retry_io(lambda: pread_all(fd, size + 1), f"cannot read {path}")
     finally:
         os.close(fd)
-    return parse_manifest(raw, ckpt_dir)
 
 
 def check_manifest_size(size: int, where: str, ckpt_dir: str) -> None:
