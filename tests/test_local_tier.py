@@ -174,8 +174,13 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     # Every node now holds every file of step 12 again, verified (node 0's bad copy replaced).
     good = open(os.path.join(_step_dir(nodes, 1, 12), "rank-00001.safetensors"), "rb").read()
     assert open(bad, "rb").read() == good
+    # The lost node fetched what its ranks' loads read (no more: a restore's bytes per node do
+    # not grow with the world size): its own ranks' files and those holding the replicated tensors.
+    man = json.loads(open(os.path.join(_step_dir(nodes, 1, 12), "manifest.json")).read())
+    holders = {piece[0] for rec in man["tensors"].values() for piece in rec.get("pieces", ())}
+    assert holders == {0}  # the small replicated tensors went to rank 0's file
     assert sorted(f for f in os.listdir(_step_dir(nodes, 2, 12)) if f.startswith("rank-")) == [
-        f"rank-{r:05d}.safetensors" for r in range(WORLD)]
+        f"rank-{r:05d}.safetensors" for r in (0, 4, 5)]
     assert not root.exists()  # nothing was read from (or written to) root
 
 

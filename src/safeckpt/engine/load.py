@@ -91,8 +91,41 @@ def load(
         return _load(path, state, strict, timeout, verify_checksums, storage_options)
 
 
+def load_verified(path: str, state: MutableMapping[str, Any], *, strict: bool | str, timeout: float | None,
+                  trusted: frozenset[str]) -> CheckpointInfo:
+    """:func:`load` of a checkpoint whose data files named in ``trusted`` were verified whole
+    (xxh3-128 against the validated manifest) by the caller just before, on this node: their
+    chunks are read once, into place, not hashed a second time (the node-local tier's restore)."""
+    if strict not in (True, False, "entries"):
+        raise ValueError(f"strict must be True, False or 'entries', got {strict!r}")
+    with paused_gc():
+        return _load(path, state, strict, timeout, True, None, trusted)
+
+
+def files_needed(path: str, man: dict[str, Any], state: MutableMapping[str, Any], *, strict: bool | str,
+                 rank: int, world_size: int) -> set[str] | None:
+    """The data files a load of ``man`` (a validated manifest, as stored) into ``state`` reads on
+    ``rank``, planned as the load plans them but without opening any file; None when that is not
+    known (a format older than 3, or a state the plan refuses: then every file)."""
+    if man.get("format_version") != FORMAT_V3:
+        return None
+    try:
+        target = state
+        if _frozen.has_frozen(state) and _frozen.ENTRY in man.get("objects", {}):
+            target = _frozen.for_load(state, True)
+        with paused_gc(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the load itself warns
+            job = _LoadJob(path, man, target, strict, rank, True, world_size, storage_for(path))
+            job.plan(open_reader=False)
+            assert job.layout is not None
+            return job.layout.files_for(job.reader_targets(), rank)
+    except Exception:  # noqa: BLE001 - the load itself reports what does not fit
+        return None
+
+
 def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict: bool | str, timeout: float | None,
-          verify_checksums: bool, storage_options: Mapping[str, Any] | None) -> CheckpointInfo:
+          verify_checksums: bool, storage_options: Mapping[str, Any] | None,
+          trusted: frozenset[str] = frozenset()) -> CheckpointInfo:
     target = resolve(path)
     coord = Coordinator(timeout, what=f"load from {target}")
     store = storage_for(target, storage_options, timeout=coord.timeout)
@@ -110,6 +143,7 @@ def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict:
                 views.append(_frozen.for_load(state, True))
             job = _LoadJob(target, man, views[0] if views else state, strict, coord.rank, verify_checksums,
                            coord.world_size, store)
+            job.trusted = trusted
             jobs.append(job)
             job.plan()
             job.check()
@@ -203,6 +237,7 @@ class _LoadJob:
         self.shared_skipped: list[tuple[str, int, int]] = []  # chunks another rank of this machine verifies
         self.saved_world = int(man.get("world_size", 1))
         self.per_rank_keys = {k for k, rec in man["tensors"].items() if rec.get("scope") == "per_rank"}
+        self.trusted: frozenset[str] = frozenset()  # data files verified whole just before (load_verified)
 
     def record(self, key: str) -> dict[str, Any]:
         """The manifest record of ``key`` (for an alias, the record of the tensor it shares)."""
@@ -246,7 +281,7 @@ class _LoadJob:
             )
         return obj.get("rank_trees", {}).get(str(self.rank), obj["tree"])
 
-    def plan(self) -> dict[str, Any] | None:
+    def plan(self, open_reader: bool = True) -> dict[str, Any] | None:
         problems: list[str] = []
         saved = self.objects
         for name in saved:
@@ -319,12 +354,12 @@ class _LoadJob:
                    else "\nA non-strict load takes what fits.")
             )
         self.skipped = problems
-        self._open_reader()
+        if open_reader:
+            self._open_reader()
 
-    def _open_reader(self) -> None:
-        """The reader over the chunks this rank needs: for format 3, only the indexes of the
-        files that hold them are read (an FSDP2 rank at the same world size: its own file)."""
-        view = self.man
+    def reader_targets(self) -> list[tuple[str, Any]]:
+        """(key, local box) of every tensor this rank reads: in place (``boxes``) and into fresh
+        tensors (stateful objects: box None, the whole tensor), once :meth:`plan` ran."""
         self.fresh_targets: list[tuple[str, Any]] = []  # what stateful objects read into new tensors
         for name, tree in self.trees.items():
             if self.kinds[name] != "stateful":
@@ -333,10 +368,19 @@ class _LoadJob:
                 self.fresh_targets += _optim.plan_targets(self.optim_plans[name], self.record)
             else:
                 self.fresh_targets += [(k, None) for k in tensor_keys(tree)]
+        return [*self.boxes.items(), *self.fresh_targets]
+
+    def _open_reader(self) -> None:
+        """The reader over the chunks this rank needs: for format 3, only the indexes of the
+        files that hold them are read (an FSDP2 rank at the same world size: its own file)."""
+        view = self.man
+        targets = self.reader_targets()
         if self.layout is not None:
-            targets = [*self.boxes.items(), *self.fresh_targets]
             view = self.layout.view(self.layout.files_for(targets, self.rank))
         self.reader = TensorReader(self.dir, view, rank=self.rank, verify=self.verify, store=self.store)
+        if self.trusted:
+            self.reader.trust_idents([(c["file"], c["start"], c["end"]) for rec in view["tensors"].values()
+                                      for c in rec.get("chunks", ()) if c["file"] in self.trusted])
 
     def check(self) -> None:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place

@@ -47,7 +47,7 @@ from ..errors import CheckpointError, CorruptCheckpoint, StorageError
 from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import write_bytes_atomic
-from .load import load
+from .load import files_needed, load_verified
 from .local_tier import (
     NodeDir,
     as_tensor,
@@ -431,18 +431,45 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             out["manifest"] = raw.decode()
         return out
 
-    def fetch_plan(reports: list[dict[str, Any]]) -> dict[str, Any]:
-        bad_at = {(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]}
+    def manifest_of(reports: list[dict[str, Any]]) -> dict[str, Any]:
         text = next((rep["manifest"] for rep in reports if "manifest" in rep), None)
         if text is None or file_xxh3(text.encode()) != mhash:
             return {"skip": f"step {step}: no node holds its manifest intact"}
+        return {"manifest": text, "bad": sorted({(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]})}
+
+    unchanged = "Nothing was loaded; the state is unchanged."
+    d = coord.decide("tier-verify", verify, manifest_of, hint=unchanged)
+    if "skip" in d:
+        reasons.append(d["skip"])
+        return False
+    raw = d["manifest"].encode()
+    man = json.loads(raw)
+    bad_at = {(n, f) for n, f in d["bad"]}
+    url = tier_url(nd.key, step)
+    data_files = set(man.get("files") or {})
+
+    def needs() -> Any:
+        """The data files this rank's load reads ("all" when every one, or unknown): a node
+        fetches only what its ranks read (an FSDP rank at the same world size: its own file),
+        so a restore's bytes per node do not grow with the world size."""
+        got = files_needed(url, man, state, strict=strict, rank=me, world_size=coord.world_size)
+        return "all" if got is None or data_files <= got else sorted(got)
+
+    def fetch_plan(reports: list[Any]) -> dict[str, Any]:
         good = {f: [n for n in holders.get(f, []) if (n, f) not in bad_at] for f in names}
-        entries, lacking = [], []
+        lacking = [f for f in names if not good[f] and not (in_root and root_file is not None)]
+        if lacking:
+            return {"skip": f"step {step}: no valid copy of {', '.join(sorted(set(lacking))[:5])} on any node"
+                    + (" nor under root" if root_file is not None else "")}
+        entries = []
         order = list(dict.fromkeys(nodes))
         for n in order:
             ranks = [r for r, m in enumerate(nodes) if m == n]
+            wanted: set[str] = set()
+            for r in ranks:
+                wanted |= data_files if reports[r] == "all" else set(reports[r])
             for i, f in enumerate(names):
-                if n in good[f]:
+                if n in good[f] or (f in data_files and f not in wanted):
                     continue
                 srcs = []
                 for j, h in enumerate(good[f]):
@@ -450,25 +477,17 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     srcs.append(hr[(i + j) % len(hr)])
                 if in_root and root_file is not None:
                     srcs.append(ROOT)
-                if not srcs:
-                    lacking.append(f)
                 entries.append([ranks[i % len(ranks)], f, srcs])
-        if lacking:
-            return {"skip": f"step {step}: no valid copy of {', '.join(sorted(set(lacking))[:5])} on any node"
-                    + (" nor under root" if root_file is not None else "")}
         notes = [f"restore of step {step}: the copy of {f} on {n} failed verification; taking it from "
                  "another copy" for n, f in sorted(bad_at)]
-        return {"manifest": text, "entries": entries, "warnings": notes}
+        return {"entries": entries, "warnings": notes}
 
-    unchanged = "Nothing was loaded; the state is unchanged."
-    d = coord.decide("tier-verify", verify, fetch_plan, hint=unchanged)
+    d = coord.decide("tier-plan", needs, fetch_plan, hint=unchanged)
     if "skip" in d:
         reasons.append(d["skip"])
         return False
     for note in d["warnings"]:
         warn(note)
-    raw = d["manifest"].encode()
-    man = json.loads(raw)
     expected = {f: (rec["size"], rec["xxh3_128"]) for f, rec in step_files(man).items()}
     entries = d["entries"]
     repaired: list[int] = []  # this rank's directory of the step, once fit to receive (see _keep)
@@ -535,8 +554,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return "root"
         reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
         return False
+    # What this node's files hold was verified whole in this restore (its own copies in
+    # tier-verify, the fetched ones on arrival): the load reads them once, without hashing again.
+    trusted = set(my_rec["files"]) - {f for n, f in bad_at if n == nd.node} if my_rec is not None and \
+        my_rec["manifest"] == mhash else set()
+    trusted |= {e[1] for i, e in enumerate(entries) if done[i] and nodes[e[0]] == nd.node}
     try:
-        load(tier_url(nd.key, step), state, strict=strict, timeout=timeout)
+        load_verified(url, state, strict=strict, timeout=timeout, trusted=frozenset(trusted & data_files))
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
         return False

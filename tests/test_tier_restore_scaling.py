@@ -1,0 +1,92 @@
+"""A restore from the node-local tier moves only what each node's ranks load: a node lost from
+an FSDP-style job (every tensor sharded, the same world size) gets back its own ranks' files
+and nothing else, and the surviving nodes fetch nothing, so a restore's bytes per node do not
+grow with the world size. Real processes: 4 simulated nodes x 1 rank (GROUP_RANK per rank,
+each node with its own local_dir), gloo on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import dist_harness
+
+pytestmark = pytest.mark.timeout(240)
+WORLD = 4
+
+
+def _job(rank: int, world: int, root: str, nodes_dir: str) -> list:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import safeckpt
+    from safeckpt.engine import reader as reader_mod
+
+    os.environ["GROUP_RANK"] = str(rank)  # one rank per node
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(v: float) -> dict:
+        full = torch.arange(64 * 33, dtype=torch.float32).reshape(64, 33) * v
+        return {"d": distribute_tensor(full, mesh, [Shard(0)]), "mine": safeckpt.PerRank(torch.full((7,), v + rank))}
+
+    local = os.path.join(nodes_dir, f"node{rank}")
+    with safeckpt.CheckpointManager(root, local_dir=local, durable_every=None, replicas=1,
+                                    preemption_signals=()) as m:
+        m.save(3, state(3.0))
+        m.wait()
+        m._last = None  # the job "dies": nothing drained to root
+    dist.barrier()
+    if rank == 2:  # node 2 lost
+        shutil.rmtree(local)
+    dist.barrier()
+    hashed: list[str] = []  # files whose chunks the load hashed again (it must not: verified whole)
+    orig = reader_mod.TensorReader._compare
+
+    def spy(self, key, c, digest):  # noqa: ANN001
+        hashed.append(c["file"])
+        return orig(self, key, c, digest)
+
+    reader_mod.TensorReader._compare = spy
+    st = state(0.0)
+    try:
+        with safeckpt.CheckpointManager(root, local_dir=local, preemption_signals=()) as m:
+            got = m.restore(st)
+    finally:
+        reader_mod.TensorReader._compare = orig
+    want = state(3.0)
+    ok = torch.equal(st["d"].to_local(), want["d"].to_local()) and torch.equal(st["mine"].value, want["mine"].value)
+    return [got, ok, sorted(set(hashed))]
+
+
+def _files(nodes, n: int) -> list[str]:
+    d = nodes / f"node{n}"
+    (run,) = [x for x in os.listdir(d) if x.startswith("run-")]
+    step = d / run / "step-0000000003"
+    return sorted(f for f in os.listdir(step) if f.startswith("rank-"))
+
+
+def test_a_lost_node_fetches_only_what_its_ranks_load_and_nothing_is_hashed_twice(tmp_path):
+    nodes = tmp_path / "nodes"
+    before = None
+    outs = dist_harness.run(_job, WORLD, str(tmp_path / "root"), str(nodes), timeout=180)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        got, ok, hashed = o.value
+        assert got == 3 and ok, o.value
+        assert hashed == [], o.value  # every file was verified whole (own copy or on arrival) once
+    man = json.loads(open(nodes / "node0" / [x for x in os.listdir(nodes / "node0") if x.startswith("run-")][0]
+                          / "step-0000000003" / "manifest.json").read())
+    assert all(rec["scope"] in ("sharded", "per_rank") for rec in man["tensors"].values()), man["tensors"]
+    # Node 2 lost everything; it got back its own rank's file only (not node 1's, whose replica it
+    # held, nor any other), and the surviving nodes hold what the save placed: own + one replica.
+    assert _files(nodes, 2) == ["rank-00002.safetensors"]
+    for n in (0, 1, 3):
+        before = _files(nodes, n)
+        assert before == sorted([f"rank-{n:05d}.safetensors", f"rank-{(n - 1) % WORLD:05d}.safetensors"]), (n, before)
+    root = tmp_path / "root"  # never drained: the restore had nothing but the nodes' copies
+    assert not root.exists() or not [x for x in os.listdir(root) if x.startswith("step-")]
