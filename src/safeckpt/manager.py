@@ -35,6 +35,7 @@ from .engine.local_tier import (
     NodeTierStorage,
     quarantine_marks,
     read_record,
+    replica_shortfall,
     save_signature,
     step_files,
     tier_url,
@@ -200,6 +201,7 @@ class CheckpointManager:
         self._abandon_after: int | None = None  # restored step: the next save drops newer local steps
         self._last_durable: int | None = None  # the newest step root holds (durable_every's schedule)
         self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
+        self._placement_checked = False  # replicas vs the job's nodes: said once (first tier save)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
@@ -470,6 +472,7 @@ class CheckpointManager:
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
                               named=named)
         coord = self._coord(what=f"local save of step {step}")
+        self._check_placement(coord)
         job = new_job(coord, request, store=NodeTierStorage(self.timeout))
         with paused_gc():
             job.agree()
@@ -506,6 +509,17 @@ class CheckpointManager:
 
         self._saver.submit(run, f"step {step}")
         return None
+
+    def _check_placement(self, coord: Coordinator) -> None:
+        """First tier save with ``replicas``: one exchange of the ranks' nodes; when fewer
+        replicas than asked can be placed (one node: none), the same warning on every rank."""
+        if self._placement_checked or not self.replicas or self._tier is None:
+            return
+        node = self._tier.node
+        note = coord.decide("tier-placement", lambda: node, lambda nodes: replica_shortfall(nodes, self.replicas))
+        self._placement_checked = True
+        if note:
+            warnings.warn(note, SafeckptWarning, stacklevel=4)
 
     def _durable_by_step(self, step: int) -> bool:
         """``durable_every``: a multiple of it, or the first save at or past the next multiple

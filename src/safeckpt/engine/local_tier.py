@@ -586,6 +586,19 @@ def replica_targets(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
+def replica_shortfall(nodes: list[str], replicas: int) -> str | None:
+    """Why fewer than ``replicas`` copies of each file can be placed (:func:`replica_targets`
+    puts them on other nodes only, at most nodes - 1), or None when they all can: said once,
+    since a user who asked for replicas expects a lost node not to lose a step."""
+    order = list(dict.fromkeys(nodes))
+    if replicas <= len(order) - 1:
+        return None
+    names = ", ".join(order[:5]) + (" ..." if len(order) > 5 else "")
+    return (f"replicas={replicas}, but the job runs on {len(order)} node(s) ({names}): only {len(order) - 1} "
+            "copy(ies) of each file can be placed on other nodes, so a lost node loses the local steps "
+            "it holds alone until they reach root (durable_every, preemption, close)")
+
+
 def non_finite(items: Sequence[tuple[str, torch.Tensor]], entries: Any = True) -> list[str]:
     """Names of the floating tensors among ``items`` that hold NaN or Inf: all of them, or with
     ``entries`` a collection of state entry names, those under these entries (a named file's
