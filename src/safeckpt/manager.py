@@ -33,7 +33,9 @@ from .engine.local_tier import (
     ROOT_QUARANTINE,
     NodeDir,
     NodeTierStorage,
-    quarantine_marks,
+    hidden_by,
+    quarantine_entries,
+    quarantine_mark,
     read_record,
     replica_shortfall,
     save_signature,
@@ -200,7 +202,7 @@ class CheckpointManager:
         self._staged: Any = None  # the job whose bytes the host buffers hold
         self._abandon_after: int | None = None  # restored step: the next save drops newer local steps
         self._last_durable: int | None = None  # the newest step root holds (durable_every's schedule)
-        self._marks: dict[str, str] = {}  # root's quarantine marks, as the last pick read them
+        self._marks: dict[str, Any] = {}  # root's quarantine marks (quarantine_entries), as the last pick read them
         self._placement_checked = False  # replicas vs the job's nodes: said once (first tier save)
 
     def __repr__(self) -> str:
@@ -353,17 +355,28 @@ class CheckpointManager:
             # The marks are read only when the pick's own listing of the root shows them.
             seen = _RootListing(self._store, self.root)
             got = picking.first_valid(seen, self.root, self._dirnames, step)
-            self._marks = self._root_quarantine() if ROOT_QUARANTINE in seen.names else {}
+            self._marks = self._root_quarantine_entries() if ROOT_QUARANTINE in seen.names else {}
         else:
             got = picking.judge(self._store, rest)
         marks = self._marks
-        while marks and got["candidates"] and str(got["candidates"][0][0]) in marks:
-            cand = got["candidates"][0][0]
+        while marks and got["candidates"]:
+            cand, path = got["candidates"][0]
+            why = hidden_by(marks, cand, self._root_sig(path)) if str(cand) in marks else None
+            if why is None:  # not marked, or a later save of that step number than the one marked
+                break
             more = picking.judge(self._store, got["rest"]) if got["rest"] else \
                 {"candidates": [], "rest": [], "warnings": [], "damaged": []}
-            got = {**more, "warnings": got["warnings"] + [f"skipping step {cand}: quarantined ({marks[str(cand)]})"]
+            got = {**more, "warnings": got["warnings"] + [f"skipping step {cand}: quarantined ({why})"]
                    + more["warnings"], "damaged": got["damaged"] + more["damaged"]}
         return got
+
+    def _root_sig(self, path: str) -> str | None:
+        """The save signature of root's checkpoint ``path`` (None when its manifest is unreadable:
+        a quarantine mark then hides it, whatever save it names)."""
+        try:
+            return save_signature(self._store.read_manifest(path))
+        except Exception:  # noqa: BLE001 - unknown: treated as the save marked
+            return None
 
     def save(
         self,
@@ -593,16 +606,21 @@ class CheckpointManager:
                                               f"{exc}); restoring from the node-local tier only"]}
 
     def _root_quarantine(self) -> dict[str, str]:
-        """Root's quarantine marks; a damaged record (not JSON, too large or deep, not a regular
-        file: read as the tier reads its records) holds none."""
+        """Root's quarantine marks, step -> reason (see :meth:`_root_quarantine_entries`)."""
+        return {k: v["reason"] for k, v in self._root_quarantine_entries().items()}
+
+    def _root_quarantine_entries(self) -> dict[str, dict[str, Any]]:
+        """Root's quarantine marks with the saves they name (``local_tier.quarantine_entries``);
+        a damaged record (not JSON, too large or deep, not a regular file: read as the tier
+        reads its records) holds none."""
         path = join(self.root, ROOT_QUARANTINE)
         if isinstance(self._store, PosixStorage):  # never blocking on a FIFO, never through a symlink
-            return quarantine_marks(read_record(path))
+            return quarantine_entries(read_record(path))
         raw = self._store.read(path, RECORD_MAX + 1)
         if not raw or len(raw) > RECORD_MAX:
             return {}
         try:
-            return quarantine_marks(json.loads(raw))
+            return quarantine_entries(json.loads(raw))
         except (ValueError, RecursionError):
             return {}
 
@@ -680,22 +698,30 @@ class CheckpointManager:
         directory); the step's bytes are left for inspection."""
         self._check_open()
         self.wait()
-        mark = {str(int(step)): str(reason)}
         for last in (self._last, self._last_local):
             if last is not None and last["step"] == step:
                 last["durable"] = True  # close() must not drain it to root
         tier = self._tier
         coord = self._coord(what=f"quarantine of step {step}")
 
-        def local() -> None:
-            if tier is not None:  # every rank: the same marks, written atomically
-                tier.quarantine(mark)
+        def held() -> str | None:  # the save of the step this node holds (its identity)
+            rec = tier.step_record(int(step)) if tier is not None else None
+            return rec["sig"] if rec is not None else None
 
-        def root(_: Any) -> None:
+        def root(sigs: list[str | None]) -> dict[str, Any]:
+            # The mark names every save of the step any tier holds now: a later save of that
+            # step number (after a rollback) is another save, not hidden (local_tier.hidden_by).
+            found = {s for s in sigs if s is not None}
+            with contextlib.suppress(Exception):  # root unreachable: the nodes' saves are named
+                for e in committed(self.root, self._store, self._dirnames) if self._store.list(self.root) else ():
+                    sig = self._root_sig(e.path) if e.step == step else None
+                    if sig is not None:
+                        found.add(sig)
+            mark = {str(int(step)): quarantine_mark(str(reason), sorted(found))}
             try:
                 if self._store.renames:  # a filesystem root that no save has created yet
                     os.makedirs(self.root, exist_ok=True)
-                cur = self._root_quarantine()
+                cur = self._root_quarantine_entries()
                 self._store.put(join(self.root, ROOT_QUARANTINE),
                                 json.dumps({**cur, **mark}, sort_keys=True).encode())
             except Exception as exc:  # noqa: BLE001 - the local marks still hide it
@@ -703,8 +729,11 @@ class CheckpointManager:
                     raise
                 warnings.warn(f"quarantine of step {step}: root {self.root} not marked ({exc})",
                               SafeckptWarning, stacklevel=3)
+            return mark
 
-        coord.decide("quarantine", local, root)
+        mark = coord.decide("quarantine", held, root)
+        if tier is not None:  # every rank: the same marks, written atomically
+            coord.decide("quarantine-local", lambda: tier.quarantine(mark), lambda _: None)
 
     def _begin(self, is_coordinator: bool) -> None:
         """Coordinator: take the writer lease, sweep leftovers of crashed saves."""

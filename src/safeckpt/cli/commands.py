@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import _humanize as human
 from ..coord.lease import break_lease, holder_is_live, read_lock, writer_lease
-from ..engine.local_tier import ROOT_QUARANTINE
+from ..engine.local_tier import ROOT_QUARANTINE, hidden_by, quarantine_entries, save_signature
 from ..engine.local_tier import describe as describe_local_tier
 from ..engine.offline import VerifyReport, verify
 from ..engine.reader import open_manifest
@@ -97,14 +97,24 @@ def _unmanaged(root: str, known: set[str]) -> list[Entry]:
     return unmanaged(root, known)
 
 
-def _quarantine_marks(root: str) -> dict[str, str]:
-    """``mgr.quarantine``'s marks under ``root`` (step -> reason)."""
+def _quarantine_marks(root: str) -> dict[str, dict[str, Any]]:
+    """``mgr.quarantine``'s marks under ``root`` (step -> {"reason", "sigs"}: the saves marked)."""
     try:
         raw = storage_for(root).read(join(root, ROOT_QUARANTINE), 1 << 20)
         rec = json.loads(raw) if raw else {}
-    except (CheckpointError, OSError, ValueError):
+    except (CheckpointError, OSError, ValueError, RecursionError):
         return {}
-    return {str(k): str(v) for k, v in rec.items()} if isinstance(rec, dict) else {}
+    return quarantine_entries(rec)
+
+
+def _marked(marks: dict[str, dict[str, Any]], e: Entry) -> str | None:
+    """The reason ``e`` is quarantined, or None (unmarked, or a later save of a marked step)."""
+    if e.step is None or str(e.step) not in marks:
+        return None
+    sig = None
+    with contextlib.suppress(Exception):  # unreadable: shown as marked, as a restore treats it
+        sig = save_signature(storage_for(e.path).read_manifest(e.path))
+    return hidden_by(marks, e.step, sig)
 
 
 def _ls_local_tier(runs: list[dict[str, Any]], args: argparse.Namespace, ui: UI) -> int:
@@ -174,13 +184,14 @@ def cmd_ls(args: argparse.Namespace, ui: UI) -> int:
             row["nbytes"] = _entry_size(e)
         if e.status in ("staging", "trash"):
             row["status"] = f"{e.status} ({'live writer' if live else 'leftover'})"
-        if e.step is not None and str(e.step) in marks:
-            row["status"] = f"{row['status']}, quarantined ({marks[str(e.step)]})"
-            row["quarantined"] = marks[str(e.step)]
+        why = _marked(marks, e)
+        if why is not None:
+            row["status"] = f"{row['status']}, quarantined ({why})"
+            row["quarantined"] = why
         rows.append(row)
 
     if args.json:
-        doc = {"root": root, "lease": lease, "entries": rows, "quarantine": marks}
+        doc = {"root": root, "lease": lease, "entries": rows, "quarantine": {k: v["reason"] for k, v in marks.items()}}
         if local_runs is not None:
             doc["local_tier"] = local_runs
         ui.json(doc)

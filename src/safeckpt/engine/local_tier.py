@@ -62,6 +62,7 @@ from ..format.manifest import (
 from ..format.tree import escape_key
 from ..storage.base import register_backend
 from ..storage.posix import PosixStorage, digest_file, lstat_beneath, write_bytes_atomic
+from . import held_files
 
 SCHEME = "safeckpt-tier"
 TIER_FILE = "tier.json"
@@ -153,11 +154,50 @@ def read_record(path: str, limit: int = RECORD_MAX) -> Any:
 
 
 def quarantine_marks(rec: Any) -> dict[str, str]:
-    """``{"<step>": "reason"}`` of a quarantine record (entries of any other shape are dropped)."""
+    """``{"<step>": "reason"}`` of a quarantine record, for display (entries of any other shape
+    are dropped; see :func:`quarantine_entries` for which save a mark hides)."""
+    return {k: v["reason"] for k, v in quarantine_entries(rec).items()}
+
+
+def quarantine_entries(rec: Any) -> dict[str, dict[str, Any]]:
+    """``{"<step>": {"reason": str, "sigs": [save_signature, ...] | None}}`` of a quarantine
+    record. A mark names the saves of the step it quarantined (``sigs``), so that a later save
+    of the same step number (a job rolled back and saved it again) is not hidden; a mark of
+    an older version (a plain reason string) or one without ``sigs`` hides any save of it."""
     if not isinstance(rec, dict):
         return {}
-    return {k: v if isinstance(v, str) else json.dumps(v)[:500] for k, v in rec.items()
-            if isinstance(k, str) and k.isdigit()}
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in rec.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            continue
+        if isinstance(v, dict) and isinstance(v.get("reason"), str):
+            sigs = v.get("sigs")
+            ok = isinstance(sigs, list) and all(isinstance(x, str) for x in sigs) and sigs
+            out[k] = {"reason": v["reason"], "sigs": list(sigs) if ok else None}
+        else:
+            out[k] = {"reason": v if isinstance(v, str) else json.dumps(v)[:500], "sigs": None}
+    return out
+
+
+def quarantine_mark(reason: str, sigs: Sequence[str]) -> dict[str, Any]:
+    """The record of one mark (see :func:`quarantine_entries`): no ``sigs`` when no save of the
+    step was found (then it hides any save of that step number)."""
+    return {"reason": reason, "sigs": sorted(set(sigs))} if sigs else {"reason": reason}
+
+
+def hidden_by(entries: Mapping[str, Any], step: int, sig: str | None) -> str | None:
+    """The reason ``step``'s save with signature ``sig`` (:func:`save_signature`; None when
+    unknown) is quarantined, or None when it is not: a mark hides the saves it names, and any
+    save when it names none (an older version's mark) or the save is unknown."""
+    mark = entries.get(str(step))
+    if mark is None:
+        return None
+    if isinstance(mark, str):
+        return mark
+    sigs = mark.get("sigs")
+    if not sigs or sig is None or sig in sigs:
+        return str(mark.get("reason"))
+    return None
 
 
 class NodeTierStorage(PosixStorage):
@@ -190,10 +230,15 @@ class NodeTierStorage(PosixStorage):
         return super().read(self.local(path), limit)
 
     def read_manifest(self, ckpt: str) -> dict[str, Any]:
-        return super().read_manifest(self.local(ckpt))
+        local = self.local(ckpt)
+        raw = held_files.held(os.path.join(local, MANIFEST))  # a restore that could not write it
+        return super().read_manifest(local) if raw is None else parse_manifest(bytes(raw), local)
 
     def open(self, path: str, size: int, ckpt: str, likely: Sequence[tuple[int, int]] = ()) -> Any:
-        return super().open(self.local(path), size, self.local(ckpt), likely)
+        local = self.local(path)
+        data = held_files.held(local)  # a verified copy a restore could not keep on disk
+        return super().open(local, size, self.local(ckpt), likely) if data is None else \
+            held_files.open_held(local, data, size)
 
     def hash(self, path: str, progress: Any = None, spans: Sequence[tuple[int, int]] = ()) -> Any:
         return super().hash(self.local(path), progress, spans)
@@ -387,9 +432,14 @@ class NodeDir:
     def quarantined(self) -> dict[str, str]:
         return quarantine_marks(read_record(os.path.join(self.base, QUARANTINE_FILE)))
 
-    def quarantine(self, marks: Mapping[str, str]) -> None:
+    def quarantine_entries(self) -> dict[str, dict[str, Any]]:
+        """This node's marks with the saves they name (see :func:`hidden_by`)."""
+        return quarantine_entries(read_record(os.path.join(self.base, QUARANTINE_FILE)))
+
+    def quarantine(self, marks: Mapping[str, Any]) -> None:
+        """Add ``marks`` (step -> :func:`quarantine_mark`, or a reason) to this node's record."""
         self.ensure()
-        rec = {**self.quarantined(), **marks}
+        rec = {**self.quarantine_entries(), **marks}
         write_bytes_atomic(os.path.join(self.base, QUARANTINE_FILE), json.dumps(rec, sort_keys=True).encode())
 
     def verified(self, step: int, name: str, expected: str) -> bool:
