@@ -219,6 +219,24 @@ def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
     assert all(out[1][1] == [11, True] for out in outs), outs
 
 
+def test_a_full_disk_on_heal_loads_a_local_only_step_from_memory(tmp_path):
+    """Step 11 is on the local tier alone (root holds 10): node 1 lost its directory and its disk
+    is full, so it cannot keep the files it fetches from node 0. They were verified on arrival
+    and are loaded from memory: step 11 is restored, not the older 10, and node 1 stays unhealed."""
+    import shutil
+
+    _run([("save", 10), ("save", 11), ("close", False)], tmp_path)
+    shutil.rmtree(tmp_path / "nodes" / "node1")
+    outs = _run([("enospc", 1), ("restore", 11), ("close", False)], tmp_path)
+    for out in outs:
+        assert out[1][1] == [11, True] and out[1][2] is None, out
+        assert any("could not keep" in w and "from memory" in w for w in out[1][3]), out
+    assert not (tmp_path / "root" / "step-0000000011").exists()
+    from safeckpt.engine import held_files
+
+    assert not held_files._HELD  # nothing held in this (the test's) process
+
+
 def test_two_managers_of_one_root_with_other_local_dirs_in_one_process(tmp_path):
     """A second manager of the same root with another local_dir (one process) does not take
     over the first one's node directory: each restores its own steps."""

@@ -44,9 +44,11 @@ import torch
 
 from ..coord.dist import Coordinator, send_recv
 from ..errors import CheckpointError, CorruptCheckpoint, StorageError
+from ..format.manifest import MANIFEST
 from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import write_bytes_atomic
+from . import held_files
 from .load import files_needed, load_verified
 from .local_tier import (
     NodeDir,
@@ -494,6 +496,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     done = [False] * len(entries)
     rounds = max((len(e[2]) for e in entries), default=0)
     unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
+    from_memory = True  # and every such file is held in memory for the load (see held_files)
     for k in range(rounds):
         todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
         if not any(not done[i] for i in range(len(entries))):
@@ -501,6 +504,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
 
         def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
             sends, recvs, got, failed, unhealed = [], [], [], [], []
+            in_memory = True  # every file this rank could not keep is held in memory for the load
             for i in todo:
                 dest, f, srcs = entries[i]
                 src = srcs[k]
@@ -532,10 +536,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     _keep(nd, step, f, data, raw, repaired)
                 except OSError as exc:  # healing is best effort: the file is here, not on disk
                     unhealed.append(f"{f} on {nd.node}: {type(exc).__name__}: {exc}")
+                    in_memory = in_memory and held_files.hold(nd.file_path(step, f), data) and \
+                        held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
                 got.append(i)
-            return {"got": got, "failed": failed, "unhealed": unhealed}
+            return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory}
 
         res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
+        from_memory = from_memory and all(rep["in_memory"] for rep in res)
         for rep in res:
             for i in rep["got"]:
                 done[i] = True
@@ -548,12 +555,15 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         return False
     if unhealed:
         warn(f"restore of step {step}: a node could not keep the copies it fetched ({'; '.join(unhealed[:3])}"
-             f"{'; ...' if len(unhealed) > 3 else ''}): " + ("loading the step from root" if in_root else
-                                                            "its node-local tier is not healed"))
-        if in_root and root_file is not None:
-            return "root"
-        reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
-        return False
+             f"{'; ...' if len(unhealed) > 3 else ''}): " + (
+                 "loading them from memory; its node-local tier is not healed" if from_memory else
+                 "loading the step from root" if in_root else "its node-local tier is not healed"))
+        if not from_memory:
+            held_files.release(nd.step_dir(step))
+            if in_root and root_file is not None:
+                return "root"
+            reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
+            return False
     # What this node's files hold was verified whole in this restore (its own copies in
     # tier-verify, the fetched ones on arrival): the load reads them once, without hashing again.
     trusted = set(my_rec["files"]) - {f for n, f in bad_at if n == nd.node} if my_rec is not None and \
@@ -564,6 +574,8 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
         return False
+    finally:
+        held_files.release(nd.step_dir(step))
     if pos == 0 and (keep_local is not None or max_bytes is not None):
         with contextlib.suppress(OSError):  # the healed node within its budget (never this step)
             nd.retain(keep_local, max_bytes, {step})

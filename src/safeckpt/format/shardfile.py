@@ -457,10 +457,12 @@ class MappedFile:
     buffer. Parts of chunks (resharding) are copied out of a read-only mapping made on demand.
     """
 
-    def __init__(self, path: str, expected_size: int) -> None:
+    def __init__(self, path: str, expected_size: int, fd: int | None = None) -> None:
+        """``fd``: an open descriptor of the file's bytes to read instead of opening ``path``
+        (owned from now on: a memory file holding a verified copy, see local_tier.held_file)."""
         self.path = path
         self.ckpt = os.path.dirname(path)
-        self.fd = open_regular(path, self.ckpt)
+        self.fd = open_regular(path, self.ckpt) if fd is None else fd
         try:
             size = os.fstat(self.fd).st_size
             if size != expected_size:
