@@ -151,11 +151,17 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
         notes = [w for w in v["warnings"] if "failed verification" in w]
         assert notes == [f"restore of step 11: the copy of trainer_state.json on node-{step11.index(damaged)} "
                          "failed verification; taking it from another copy"], v["warnings"]
-    # the lost node holds the whole step again, every file as the other nodes hold it
+    # the lost node holds again what a save placed there (its rank's file and the replica of the
+    # node before it) and what its load read, every named and extra file of the step, each byte
+    # for byte as the other nodes hold it
     again = _files(str(step11[lost]))
-    first = _files(str(step11[(lost + 1) % NODES]))
-    assert again == first
-    assert set(LAYOUT) <= set(again)
+    others: dict = {}
+    for n in range(NODES):
+        if n != lost:
+            others.update(_files(str(step11[n])))
+    assert {f"rank-{lost:05d}.safetensors", f"rank-{(lost - 1) % NODES:05d}.safetensors"} <= set(again)
+    assert set(LAYOUT) | set(_extras(11)) <= set(again)
+    assert all(again[n] == others[n] for n in again if n in others) and set(again) <= set(others)
     assert sorted(os.listdir(root)) == []  # nothing read from, nor written to, root
 
 

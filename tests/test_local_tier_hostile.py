@@ -141,7 +141,8 @@ def _job(rank: int, world: int, base: str) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                kw = {"local_dir": local} if local else {}
+                # the job restarts as it ran (replicas=1): the restore heals the node's copy
+                kw = {"local_dir": local, "replicas": 1} if local else {}
                 with safeckpt.CheckpointManager(root, preemption_signals=(), timeout=30, **kw) as m:
                     got = m.restore(st)
                 res: tuple = ("ok", got, st["v"], torch.equal(st["w"], _state(st["v"])["w"]))

@@ -52,6 +52,9 @@ def _job(rank: int, world: int, root: str, nodes_dir: str, plan: list, kw: dict)
                     if op[0] == "save":
                         mgr.wait()
                     got = None
+                elif op[0] == "quarantine":
+                    mgr.quarantine(op[1], "loss spiked")
+                    got = None
                 elif op[0] == "wait":
                     got = mgr.wait() and None
                 elif op[0] == "close":
@@ -235,6 +238,30 @@ def test_a_full_disk_on_heal_loads_a_local_only_step_from_memory(tmp_path):
     from safeckpt.engine import held_files
 
     assert not held_files._HELD  # nothing held in this (the test's) process
+
+
+def test_a_step_saved_again_after_its_quarantine_is_restored_from_the_local_tier(tmp_path):
+    """Quarantine names the save it hides, on every tier: step 22 (local only) quarantined, the
+    job rolls back to 21 (durable) and saves 22 again, another save: the restore takes the new
+    22 from the nodes (also after one node is lost), never the quarantined one, never 21."""
+    import shutil
+
+    outs = _run([("save", 21), ("save", 22, 0.5), ("quarantine", 22), ("restore", 21), ("save", 22, 0.25),
+                 ("close", False)], tmp_path)
+    for out in outs:
+        assert out[3][1] == [21, True], out
+        assert [o[2] for o in out] == [None] * 6, out
+    outs = _run([("restore", 22, 0.25), ("close", False)], tmp_path)
+    for out in outs:
+        assert out[0][1] == [22, True] and out[0][2] is None, out
+    shutil.rmtree(tmp_path / "nodes" / "node1")
+    outs = _run([("restore", 22, 0.25), ("close", False)], tmp_path)
+    for out in outs:
+        assert out[0][1] == [22, True] and out[0][2] is None, out
+    # the quarantined save alone, in root too (the job drains it): still never picked
+    outs = _run([("save", 23), ("quarantine", 23), ("restore", 22, 0.25), ("close", False)], tmp_path)
+    for out in outs:
+        assert out[2][1] == [22, True], out
 
 
 def test_two_managers_of_one_root_with_other_local_dirs_in_one_process(tmp_path):

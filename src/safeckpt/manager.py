@@ -48,6 +48,7 @@ from .engine.staging import SnapshotPool
 from .engine.tier import (
     drain,
     drain_from_tier,
+    hidden_root_steps,
     holders_of,
     refuse_non_finite,
     restore_local,
@@ -592,13 +593,14 @@ class CheckpointManager:
             damaged = [[e.step, f"step {e.step} (root): {e.path}: {e.problem}"] for e in found
                        if e.status == "corrupt" and e.step is not None]
             paths = {str(e.step): e.path for e in sorted(entries, key=lambda e: e.path)}
+            marks = self._root_quarantine_entries()
             sigs = {}
-            for s, path in paths.items():  # root's save of a step the nodes hold too: which one it is
-                if int(s) in (held or ()):
+            for s, path in paths.items():  # root's save of a step the nodes hold too or a marked
+                if int(s) in (held or ()) or s in marks:  # one: which save it is
                     with contextlib.suppress(Exception):
                         sigs[s] = save_signature(self._store.read_manifest(path))
             return {"steps": sorted({e.step for e in entries}), "paths": paths, "sigs": sigs,
-                    "quarantine": self._root_quarantine(),
+                    "quarantine": marks,
                     "damaged": damaged, "warnings": [f"ignoring {why[len(f'step {s} (root): '):]}: corrupt"
                                                      for s, why in damaged]}
         except Exception as exc:  # noqa: BLE001 - root is one tier among several
@@ -644,7 +646,7 @@ class CheckpointManager:
         self._last_durable = None
         for note in plan["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=3)
-        quarantined = {int(s) for s in plan["quarantine"]}
+        quarantined = hidden_root_steps(plan)  # root's saves the marks name
         # root's damaged checkpoints are history: nothing restored -> raise, never a fresh start
         reasons: list[str] = [why for s, why in plan.get("root_damaged", []) if step is None or s == step]
         for cand in plan["cands"]:

@@ -37,7 +37,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from .local_tier import (
     as_tensor,
     dir_bytes,
     file_xxh3,
+    hidden_by,
     non_finite,
     read_file,
     replica_targets,
@@ -337,28 +338,54 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
     the steps the nodes hold too}, "quarantine": {...}, "warnings": [...]}``)."""
     def mine() -> dict[str, Any]:
         inv, damaged = nd.survey()
-        return {"node": nd.node, "inv": inv, "damaged": damaged, "q": nd.quarantined()}
+        return {"node": nd.node, "inv": inv, "damaged": damaged, "q": nd.quarantine_entries()}
 
     def resolve(values: list[dict[str, Any]]) -> dict[str, Any]:
         nodes = [v["node"] for v in values]
         inv: dict[str, Any] = {}
-        quarantine: dict[str, str] = {}
+        quarantine: dict[str, Any] = {}
         notes: list[str] = []
         for v in values:
             if v["node"] not in inv:  # one warning per node and step: the node's first rank's view
                 notes += [f"restore: step {s} on {v['node']}: {why}" for s, why in sorted(v["damaged"].items())]
+                merge_marks(quarantine, v["q"])
             inv.setdefault(v["node"], v["inv"])
-            quarantine.update(v["q"])
         root = root_side({int(s) for i in inv.values() for s in i})
-        quarantine.update(root.get("quarantine", {}))
+        merge_marks(quarantine, root.get("quarantine", {}))
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
-        cands = sorted((s for s in steps if str(s) not in quarantine), reverse=True)
+
+        def visible(s: int) -> bool:  # some save of step s that no mark names
+            sigs = {i[str(s)].get("sig") for i in inv.values() if str(s) in i}
+            if s in root["steps"]:
+                sigs.add((root.get("sigs") or {}).get(str(s)))  # None (unknown): hidden when marked
+            return any(hidden_by(quarantine, s, sig) is None for sig in sigs)
+
+        cands = sorted((s for s in steps if visible(s)), reverse=True)
         return {"nodes": nodes, "inv": inv, "root": root["steps"], "root_paths": root.get("paths", {}), "cands": cands,
                 "root_sigs": root.get("sigs", {}),
                 "quarantine": quarantine, "root_damaged": root.get("damaged", []),
                 "warnings": root.get("warnings", []) + notes}
 
     return coord.decide("tier-inventory", mine, resolve, hint="Nothing was loaded; the state is unchanged.")
+
+
+def merge_marks(into: dict[str, Any], more: Mapping[str, Any]) -> None:
+    """Merge quarantine marks (``local_tier.quarantine_entries``) of several tiers: the saves
+    they name together; a mark that names none (hides every save of the step) stays so."""
+    for s, mark in more.items():
+        cur = into.get(s)
+        if cur is None:
+            into[s] = mark
+            continue
+        a, b = cur.get("sigs"), mark.get("sigs")
+        into[s] = {"reason": cur.get("reason"), "sigs": sorted({*a, *b}) if a and b else None}
+
+
+def hidden_root_steps(plan: dict[str, Any]) -> set[int]:
+    """Root's steps whose committed save a quarantine mark names (or any mark, when root's
+    save is unknown)."""
+    sigs = plan.get("root_sigs") or {}
+    return {s for s in plan.get("root", ()) if hidden_by(plan.get("quarantine", {}), s, sigs.get(str(s)))}
 
 
 def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], dict[str, list[str]]]:
@@ -372,12 +399,14 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
     by_hash: dict[str, dict[str, list[str]]] = {}
     names: dict[str, list[str]] = {}
     created: dict[str, str] = {}
-    root_sig = (plan.get("root_sigs") or {}).get(str(step)) if step in plan.get("root", ()) else None
+    marks = plan.get("quarantine") or {}
+    in_root = step in plan.get("root", ()) and step not in hidden_root_steps(plan)  # a quarantined save is no truth
+    root_sig = (plan.get("root_sigs") or {}).get(str(step)) if in_root else None
     for node, inv in plan["inv"].items():
         rec = inv.get(str(step))
-        if rec is None:
+        if rec is None or hidden_by(marks, step, rec.get("sig")) is not None:
             continue
-        if step in plan.get("root", ()) and rec.get("sig") != root_sig:
+        if in_root and rec.get("sig") != root_sig:
             continue  # another save than root's (or root's manifest unreadable): not this step
         names[rec["manifest"]] = rec["all"]
         created[rec["manifest"]] = str(rec.get("created") or "")
@@ -406,7 +435,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     members = [r for r, n in enumerate(nodes) if n == nd.node]
     pos = members.index(me)
     my_rec = plan["inv"].get(nd.node, {}).get(str(step))
-    in_root = step in plan["root"]
+    in_root = step in plan["root"] and step not in hidden_root_steps(plan)
     man_source = next((nodes.index(n) for n in dict.fromkeys(nodes) if nd_holds(plan, n, step, mhash)), None)
 
     def verify() -> dict[str, Any]:
@@ -465,9 +494,10 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     + (" nor under root" if root_file is not None else "")}
         entries = []
         order = list(dict.fromkeys(nodes))
+        placed = placement(man, nodes, replicas)
         for n in order:
             ranks = [r for r, m in enumerate(nodes) if m == n]
-            wanted: set[str] = set()
+            wanted = set(placed.get(n, ()))
             for r in ranks:
                 wanted |= data_files if reports[r] == "all" else set(reports[r])
             for i, f in enumerate(names):
@@ -582,6 +612,24 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             if max_bytes is not None and nd.nbytes() > max_bytes:
                 _trim(nd, step, man, nodes, members, replicas)
     return True
+
+
+def placement(man: dict[str, Any], nodes: list[str], replicas: int) -> dict[str, set[str]]:
+    """Node -> the data files a save of this world would place there (its ranks' own files and
+    the replicas it receives): what a restore heals a node to besides what its ranks load, so
+    the step keeps its redundancy (a node lost next still has its files elsewhere). Empty when
+    the step was saved on another world size. O(files of the node) each."""
+    if man.get("world_size") != len(nodes):
+        return {}
+    of_rank = {rec.get("rank"): name for name, rec in (man.get("files") or {}).items() if isinstance(rec, dict)}
+    out: dict[str, set[str]] = {}
+    for r, dests in replica_targets(nodes, replicas).items():
+        name = of_rank.get(r)
+        if name is None:
+            continue
+        for holder in (r, *dests):
+            out.setdefault(nodes[holder], set()).add(name)
+    return out
 
 
 def _trim(nd: NodeDir, step: int, man: dict[str, Any], nodes: list[str], members: list[int], replicas: int) -> None:
