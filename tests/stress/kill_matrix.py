@@ -147,16 +147,20 @@ def run_job(ctx: Any, job: str, spec: dict[str, Any], root: str, trial_dir: str,
     outs: dict[int, Any] = {}
     kill = None
     hung: list[int] = []
-    while True:
+    def collect() -> None:
         for r in range(world):
             if r not in outs:
                 out = _read_json(os.path.join(trial_dir, f"out-{job}-{r}.json"))
                 if out is not None:
                     outs[r] = out
+
+    while True:
+        collect()
         if job == "crash" and kill is None:
             kill = _read_json(os.path.join(trial_dir, "kill.json"))
         pending = [r for r, p in enumerate(procs) if r not in outs and p.is_alive()]
         if not pending:
+            collect()  # a rank that wrote its result and exited after the read above
             break
         limit = kill["t"] + spec["timeout"] + slack if kill else started + RUN_BUDGET
         if time.time() > limit:
