@@ -137,6 +137,22 @@ def _step_dir(nodes_dir, node: int, step: int, root=None) -> str:
     return os.path.join(base, run, f"step-{step:010d}")
 
 
+def _root_away(root, away) -> None:
+    """Make root's checkpoints unreadable, as if root were lost, but keep its run identity
+    (``.safeckpt-run.json``; without it the nodes' data is another run's): everything else
+    under root is moved to ``away``."""
+    from safeckpt.engine.local_tier import RUN_FILE
+
+    os.makedirs(away, exist_ok=True)
+    for name in os.listdir(root):
+        if name != RUN_FILE:
+            os.rename(os.path.join(root, name), os.path.join(away, name))
+
+
+def _root_steps(root) -> list:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-"))
+
+
 def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourced(tmp_path):
     root, nodes = tmp_path / "root", tmp_path / "nodes"
     # Job 1: step 10 durable (root), steps 11 and 12 on the local tier only; then node 2's
@@ -145,7 +161,7 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     for o in outs[:4]:
         kind, text, took = o["errors"][0]
         assert kind == "RankFailure" and "replicate" in text and took < 20, o["errors"]
-    assert sorted(os.listdir(root)) == ["step-0000000010"]
+    assert _root_steps(root) == ["step-0000000010"]
     assert not list(Path.cwd().glob(f"{SCHEME}*"))  # the tier URL never lands as a relative path
     for n in range(NODES):  # keep_local=2: the newest two steps; 13 never published on any node
         base = os.path.dirname(_step_dir(nodes, n, 12))
@@ -156,9 +172,10 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
         prev = (n - 1) % NODES
         assert rec["own"] == [f"rank-{r:05d}.safetensors" for r in (2 * n, 2 * n + 1)]
         assert rec["replicas"] == [f"rank-{r:05d}.safetensors" for r in (2 * prev, 2 * prev + 1)]
-    # Node 2 is lost (its directory wiped); root is gone too: step 12 must come from the nodes.
+    # Node 2 is lost (its directory wiped); root's checkpoints are gone too (its run identity
+    # kept): step 12 must come from the nodes.
     shutil.rmtree(nodes / "node2")
-    shutil.rmtree(root)
+    _root_away(root, tmp_path / "root-away")
     # and one primary on node 0 has a flipped byte: that file alone is re-sourced (from node 1's replica)
     bad = os.path.join(_step_dir(nodes, 0, 12), "rank-00001.safetensors")
     data = bytearray(open(bad, "rb").read())
@@ -182,7 +199,7 @@ def test_lost_node_restores_from_peers_without_root_and_a_bad_primary_is_resourc
     assert holders == {0}  # the small replicated tensors went to rank 0's file
     assert sorted(f for f in os.listdir(_step_dir(nodes, 2, 12)) if f.startswith("rank-")) == [
         f"rank-{r:05d}.safetensors" for r in (0, 2, 3, 4, 5)]
-    assert not root.exists()  # nothing was read from (or written to) root
+    assert os.listdir(root) == [".safeckpt-run.json"]  # nothing was read from (or written to) root
 
 
 def test_root_fills_what_no_node_holds_other_runs_are_ignored_finite_and_quarantine(tmp_path):
@@ -199,7 +216,7 @@ def test_root_fills_what_no_node_holds_other_runs_are_ignored_finite_and_quarant
     rec = json.loads(open(os.path.join(_step_dir(nodes, 1, 11), "tier.json")).read())
     assert rec["replicas"] == ["rank-00001.safetensors"]
     assert not os.path.exists(os.path.join(_step_dir(nodes, 1, 11), "rank-00000.safetensors"))
-    assert sorted(os.listdir(root)) == ["step-0000000010", "step-0000000011"]
+    assert _root_steps(root) == ["step-0000000010", "step-0000000011"]
     assert safeckpt.verify(str(root / "step-0000000011")).ok
     # Nodes 1 and 2 lost: node 0 holds files 0, 1 and node 2's replicas (4, 5); 2 and 3 come from root.
     shutil.rmtree(nodes / "node1")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tests.helpers import dist_harness
+from tests.test_local_tier import _root_away
 
 NODES = 3
 pytestmark = pytest.mark.timeout(240)
@@ -122,7 +123,7 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
             m.pop(k)
     assert m1 == m2
     assert safeckpt.verify(str(root / "step-0000000010")).ok
-    assert sorted(os.listdir(root)) == ["step-0000000010"]  # step 11 is on the nodes only
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000000010"]  # 11: nodes only
     # Every node holds the extra files of step 11; the data and named files are spread.
     tag = tier_tag(str(root))
     step11 = [nodes / f"node{n}" / tag / "step-0000000011" for n in range(NODES)]
@@ -135,8 +136,7 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
     # one node's extra file is damaged: that file alone comes from another copy.
     lost = writers["weights.safetensors"]
     shutil.rmtree(nodes / f"node{lost}")
-    os.rename(root, tmp_path / "root-away")
-    root.mkdir()
+    _root_away(root, tmp_path / "root-away")  # its run identity kept
     damaged = next(d for n, d in enumerate(step11) if n != lost)
     data = bytearray((damaged / "trainer_state.json").read_bytes())
     data[3] ^= 0x20
@@ -162,7 +162,7 @@ def test_extra_files_and_named_on_the_local_tier(tmp_path):
     assert {f"rank-{lost:05d}.safetensors", f"rank-{(lost - 1) % NODES:05d}.safetensors"} <= set(again)
     assert set(LAYOUT) | set(_extras(11)) <= set(again)
     assert all(again[n] == others[n] for n in again if n in others) and set(again) <= set(others)
-    assert sorted(os.listdir(root)) == []  # nothing read from, nor written to, root
+    assert os.listdir(root) == [".safeckpt-run.json"]  # nothing read from, nor written to, root
 
 
 def test_write_files_stays_refused_with_the_local_tier(tmp_path):

@@ -166,6 +166,7 @@ def test_node_lost_after_a_local_step_restores_it_from_peers_without_reading_roo
         assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [f"step-{job.DURABLE:010d}"]
 
         victim = next(la for la in launches if group_of[la.local] == 2)
+        placed = _rank_files(_step_dir(victim.local, job.LAST))  # what the save placed there
         _kill(victim, [saved[r]["pid"] for r in ranks_of[victim.k]])
         shutil.rmtree(victim.local)
         (out / "go").write_text("")
@@ -212,13 +213,16 @@ def test_node_lost_after_a_local_step_restores_it_from_peers_without_reading_roo
     for r, s in sorted(restored.items()):
         assert s["node"] == f"node-{s['group_rank']}", s
         assert s["restored"] == job.LAST and s["exact"], (r, s)  # step 6, bit-exact (not root's step 4)
-        # Not one data file of root's: the coordinator lists root's committed steps (reading
-        # step 4's manifest) and its quarantine record, nothing else.
-        listing = {f"step-{job.DURABLE:010d}/manifest.json", ".safeckpt-quarantine.json"}
+        # Not one data file of root's: the coordinator reads root's run file (run identity),
+        # lists root's committed steps (reading step 4's manifest) and its quarantine record,
+        # nothing else.
+        listing = {".safeckpt-run.json", f"step-{job.DURABLE:010d}/manifest.json", ".safeckpt-quarantine.json"}
         reads = [os.path.relpath(p, root) for p in s["opened_under_root"]]
         assert set(reads) <= listing and (r == 0 or not reads), (r, reads)
-    # the lost node's directory holds every file of step 6 again (healed from its peers)
-    assert _rank_files(_step_dir(victim.local, job.LAST)) == [f"rank-{r:05d}.safetensors" for r in range(WORLD)]
+    # the lost node's directory holds again what the save placed there (its ranks' files and
+    # the replicas it received), healed from its peers, besides what its ranks' loads read
+    healed = _rank_files(_step_dir(victim.local, job.LAST))
+    assert set(placed) <= set(healed) <= {f"rank-{r:05d}.safetensors" for r in range(WORLD)}, (placed, healed)
     # the restored job went on: step 7 saved and drained to root at close
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == [
         f"step-{job.DURABLE:010d}", f"step-{job.LAST + 1:010d}"]

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from tests.test_local_tier import _run, _step_dir
+from tests.test_local_tier import _root_away, _run, _step_dir
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,11 +34,13 @@ def test_two_lost_nodes_that_hold_no_replica_of_each_other_restore_from_peers(tm
     assert all(len(h - set(lost)) >= 1 for h in holders.values()), (holders, lost)
     for n in lost:
         shutil.rmtree(nodes / f"node{n}")
-    shutil.rmtree(root)  # and root is gone: step 11 can only come from the surviving peers
+    # and root's checkpoints are gone (its run identity kept): step 11 can only come from the
+    # surviving peers
+    _root_away(root, tmp_path / "root-away")
     outs = _run([("restore", 11)], root, nodes, world=4, per_node=1)
     for o in outs:
         assert o["restored"] == [[11, True]], o
-    assert not root.exists()
+    assert os.listdir(root) == [".safeckpt-run.json"]
 
 
 def test_root_newer_than_the_local_steps_wins_and_older_root_loses(tmp_path):
@@ -48,7 +50,7 @@ def test_root_newer_than_the_local_steps_wins_and_older_root_loses(tmp_path):
     # Job 2 runs elsewhere (other local dirs): restores 10 from root (its nodes are empty; root
     # is older than job 1's local steps but job 2 cannot see them), trains on to 20 (durable).
     _run([("restore", 10), ("save", 20)], root, other_nodes)
-    assert sorted(os.listdir(root)) == ["step-0000000010", "step-0000000020"]
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000000010", "step-0000000020"]
     # Job 3 back on `nodes`: root's 20 is newer than the local 12, so 20 is restored.
     outs = _run([("restore", 20)], root, nodes)
     for o in outs:

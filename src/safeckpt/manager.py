@@ -31,13 +31,17 @@ from .engine.load import load
 from .engine.local_tier import (
     RECORD_MAX,
     ROOT_QUARANTINE,
+    RUN_FILE,
     NodeDir,
     NodeTierStorage,
     hidden_by,
+    new_run_id,
     quarantine_entries,
     quarantine_mark,
     read_record,
+    read_run,
     replica_shortfall,
+    run_record,
     save_signature,
     step_files,
     tier_url,
@@ -205,6 +209,8 @@ class CheckpointManager:
         self._last_durable: int | None = None  # the newest step root holds (durable_every's schedule)
         self._marks: dict[str, Any] = {}  # root's quarantine marks (quarantine_entries), as the last pick read them
         self._placement_checked = False  # replicas vs the job's nodes: said once (first tier save)
+        self._tier_nodes: list[str] | None = None  # every rank's node, from the run agreement
+        self._run_pending: str | None = None  # a run id agreed without root: written at the first drain
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, policy={self.policy}, async_save={self.async_save})"
@@ -486,6 +492,7 @@ class CheckpointManager:
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
                               named=named)
         coord = self._coord(what=f"local save of step {step}")
+        self._tier_run(coord)
         self._check_placement(coord)
         job = new_job(coord, request, store=NodeTierStorage(self.timeout))
         with paused_gc():
@@ -529,8 +536,12 @@ class CheckpointManager:
         replicas than asked can be placed (one node: none), the same warning on every rank."""
         if self._placement_checked or not self.replicas or self._tier is None:
             return
-        node = self._tier.node
-        note = coord.decide("tier-placement", lambda: node, lambda nodes: replica_shortfall(nodes, self.replicas))
+        if self._tier_nodes is not None:  # known from the run agreement: no exchange
+            note = replica_shortfall(self._tier_nodes, self.replicas)
+        else:
+            node = self._tier.node
+            note = coord.decide("tier-placement", lambda: node,
+                                lambda nodes: replica_shortfall(nodes, self.replicas))
         self._placement_checked = True
         if note:
             warnings.warn(note, SafeckptWarning, stacklevel=4)
@@ -642,6 +653,7 @@ class CheckpointManager:
         tier = self._tier
         assert tier is not None
         coord = self._coord(what=f"restore from the node-local tier of {self.root}")
+        self._tier_run(coord)
         plan = tier_inventory(coord, tier, self._root_side)
         self._last_durable = None
         for note in plan["warnings"]:
@@ -705,6 +717,7 @@ class CheckpointManager:
                 last["durable"] = True  # close() must not drain it to root
         tier = self._tier
         coord = self._coord(what=f"quarantine of step {step}")
+        self._tier_run(coord)
 
         def held() -> str | None:  # the save of the step this node holds (its identity)
             rec = tier.step_record(int(step)) if tier is not None else None
@@ -738,11 +751,92 @@ class CheckpointManager:
             coord.decide("quarantine-local", lambda: tier.quarantine(mark), lambda _: None)
 
     def _begin(self, is_coordinator: bool) -> None:
-        """Coordinator: take the writer lease, sweep leftovers of crashed saves."""
+        """Coordinator: take the writer lease, sweep leftovers of crashed saves; a run id agreed
+        while root was unreachable goes into root's run file (unless root has one by now)."""
         if not is_coordinator:
             return
         self._lock.acquire()
         sweep(self.root, self._store, self._dirnames)
+        if self._run_pending is not None:
+            with contextlib.suppress(FileExistsError):
+                self._store.put(join(self.root, RUN_FILE), run_record(self._run_pending), exclusive=True)
+            self._run_pending = None
+
+    # ----------------------------------------------------------- run identity (node-local tier)
+    def _tier_run(self, coord: Coordinator) -> None:
+        """At this manager's first tier collective (local save, restore, quarantine): one
+        exchange agrees on the run id (root's run file, created by the coordinator if absent;
+        see ``engine.local_tier``) and on which nodes hold another run's data; only then, in a
+        second exchange that only such a case costs, each of those nodes' first rank moves that
+        data aside, before any rank of the node reads or writes its directory. So the local
+        steps of an earlier run at the same root path are never restored."""
+        tier = self._tier
+        if tier is None or tier.run is not None:
+            return
+        d = coord.decide("tier-run", tier.recorded, self._agree_run,
+                         hint="Nothing was saved or loaded; the state is unchanged.")
+        self._tier_nodes = list(d["nodes"])
+        self._run_pending = d["pending"]
+        first = d["nodes"].index(tier.node) == coord.rank
+        if d["fix"]:
+            def fix() -> str | None:
+                if first:
+                    return tier.adopt(d["run"], d["legacy"])
+                tier.run = d["run"]
+                return None
+
+            def moved(paths: list[str | None]) -> list[str]:
+                return [f"{p} ({d['nodes'][r]})" for r, p in enumerate(paths) if p]
+
+            aside = coord.decide("tier-run-adopt", fix, moved,
+                                 hint="Nothing was saved or loaded; the state is unchanged.")
+            if aside:
+                warnings.warn(
+                    "local_dir holds steps of another run of this root (root was deleted or recreated); not "
+                    f"used; moved to {', '.join(aside)}: delete it to free the space", SafeckptWarning,
+                    stacklevel=3)
+        tier.run = d["run"]
+        if d["warning"]:
+            warnings.warn(d["warning"], SafeckptWarning, stacklevel=3)
+
+    def _agree_run(self, reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Coordinator: the run id from root's run file, created exclusively (two managers racing
+        agree on one) when root has none (a new root, or one deleted and made again: a new run).
+        Root unreachable (its run file cannot be read or created): the id most nodes recorded,
+        trusted with a warning and written to root at the first drain (``_begin``). Legacy data
+        (recorded without an id) is this run's when root holds committed steps and no run file
+        (a run upgrading), or root is unreachable and no node records an id."""
+        nodes = [r["node"] for r in reports]
+        first = {}  # node -> its first rank's report
+        for r in reports:
+            first.setdefault(r["node"], r)
+        ids = [r["run"] for r in first.values() if r["run"]]
+        legacy = any(r["mine"] and r["run"] is None and r["data"] for r in first.values())
+        path = join(self.root, RUN_FILE)
+        pending, note = None, None
+        try:
+            run = read_run(self._store.read, path)
+            if run is None:
+                # legacy data before root has a run file: this run's if root holds its history
+                legacy = legacy and bool(committed(self.root, self._store, self._dirnames))
+                with contextlib.suppress(FileExistsError):
+                    self._store.put(path, run_record(new_run_id()), exclusive=True)
+                run = read_run(self._store.read, path)
+                if run is None:
+                    raise StorageError(f"{path} was created but cannot be read back")
+            else:
+                legacy = False
+        except (OSError, CheckpointError) as exc:
+            run = max(sorted(set(ids)), key=ids.count) if ids else new_run_id()
+            legacy = legacy and not ids
+            pending = run
+            if ids or legacy:
+                note = (f"root {self.root} could not be read ({type(exc).__name__}: {exc}); the node-local tier "
+                        f"is used as the run the nodes recorded ({run if ids else 'data of an older version'}) "
+                        "says; if this is a new run at the same root path, delete local_dir's data of the old one")
+        fix = any(r["present"] and not r["other_root"] and (r["run"] != run or not r["mine"])
+                  for r in first.values())
+        return {"run": run, "legacy": legacy, "nodes": nodes, "fix": fix, "pending": pending, "warning": note}
 
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:

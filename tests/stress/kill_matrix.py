@@ -203,8 +203,9 @@ def inspect_root(root: str) -> dict[str, Any]:
         if final is not None and final not in names:
             step = parse_step(final)
         elif name.startswith("."):
-            if (name != ".safeckpt.lock" and STAGING_MARK not in name and TRASH_MARK not in name
-                    and final is None):
+            # the writer lease, and the run identity of a manager with local_dir (engine.local_tier)
+            if (name not in (".safeckpt.lock", ".safeckpt-run.json") and STAGING_MARK not in name
+                    and TRASH_MARK not in name and final is None):
                 odd.append(name)
             continue
         else:

@@ -125,7 +125,11 @@ def _ls_local_tier(runs: list[dict[str, Any]], args: argparse.Namespace, ui: UI)
     for i, run in enumerate(runs):
         if i:
             ui.echo("")
-        ui.echo(f"local tier {run['run']} (root {run['root']})")
+        if run.get("moved_aside"):  # engine.local_tier: another run's data of this root path
+            ui.echo(f"local tier {run['run']} (root {run['root']}; another run's data, moved aside by a "
+                    "newer run of that root: not used by any run; delete it to free the space)")
+        else:
+            ui.echo(f"local tier {run['run']} (root {run['root']})")
         if not run["steps"]:
             ui.echo("  no steps")
             continue

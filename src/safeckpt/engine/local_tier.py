@@ -4,13 +4,14 @@ and the restore of a step from the nearest verified copy of each file.
 Layout of one node's ``local_dir`` (it may be a different path on every node)::
 
     local_dir/run-<hash of root>/            one run: the root it belongs to, in tier.json
-        tier.json                            {"format": "safeckpt-local-tier", "root": root}
+        tier.json                            {"format": "safeckpt-local-tier", "root": root, "run_id": id}
         quarantine.json                      {"<step>": "reason"} (mgr.quarantine)
         step-0000000042/                     a step as this node holds it, published by rename
             manifest.json                    the step's manifest, the same bytes on every node
             rank-00003.safetensors           this node's ranks' files and the replicas it holds
-            tier.json                        {"root", "step", "node", "own", "replicas"}
+            tier.json                        {"root", "step", "run_id", "node", "own", "replicas"}
         .partial-step-0000000043-<token>/    a save in progress (removed by the next save)
+    local_dir/run-<hash>.other-<id>/         another run's data of the same root path, moved aside
 
 A file of a step is the very file ``safeckpt.save`` would write for that rank (the same plan,
 the same bytes, its xxh3-128 in the manifest), so a node's step directory is a partial
@@ -21,6 +22,20 @@ each verified against the manifest) and loads it through a ``safeckpt-tier://`` 
 same string on every rank and names each node's own directory (:class:`NodeTierStorage`).
 
 Nodes: ``GROUP_RANK`` (torchrun's node rank) where set, else the host name.
+
+Run identity: a root path names a run only while that root lives; a new run at the same path
+(the output directory deleted and made again) must never restore the old run's local steps.
+``root/.safeckpt-run.json`` (``{"format": "safeckpt-run", "id": <uuid4 hex>}``) is created once
+(an exclusive create through root's storage) by the manager's coordinator at its first tier
+collective, and the id is agreed on every rank in that exchange (``CheckpointManager._tier_run``);
+the run directory's and each step's ``tier.json`` record it. A node's data is this run's iff its
+recorded id is root's: another run's data is never used nor silently deleted: the node's first
+rank renames the run directory aside (``run-<hash>.other-<id>``, :meth:`NodeDir.move_aside`),
+with a warning naming it, and the run starts a fresh directory. Root unreachable (its run file
+cannot be read): the id most nodes recorded is trusted, with a warning, and the run file is
+written at the first drain that reaches root. Data of versions without ids (``legacy``) is this
+run's only when root holds committed steps and no run file yet (a run upgrading), or root is
+unreachable and no node records an id; otherwise it is another run's.
 
 A node's copies are read with root's checks (:func:`read_record`, :meth:`NodeDir.read_manifest`):
 every file the tier reads (manifests, ``tier.json``, ``quarantine.json``, data files) is opened
@@ -41,6 +56,8 @@ import os
 import shutil
 import socket
 import stat
+import time
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -69,6 +86,9 @@ TIER_FILE = "tier.json"
 QUARANTINE_FILE = "quarantine.json"
 ROOT_QUARANTINE = ".safeckpt-quarantine.json"  # under root: {"<step>": "reason"} (mgr.quarantine)
 TIER_FORMAT = "safeckpt-local-tier"
+RUN_FILE = ".safeckpt-run.json"  # under root: {"format": RUN_FORMAT, "id": run id} (run identity)
+RUN_FORMAT = "safeckpt-run"
+OTHER = ".other-"  # run-<hash>.other-<id>: another run's data of the root, moved aside
 RECORD_MAX = 1 << 20  # bytes of a tier.json or quarantine.json read at most (they are tiny)
 _BASES: dict[str, str] = {}  # key (NodeDir.key) -> this process's node directory of that run
 
@@ -82,6 +102,41 @@ def node_id() -> str:
 def tier_tag(root: str) -> str:
     """The name of a root's run directory inside ``local_dir`` (its identity is in tier.json)."""
     return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def run_record(run: str) -> bytes:
+    """The bytes of root's run file naming ``run``."""
+    return json.dumps({"format": RUN_FORMAT, "id": run}).encode()
+
+
+def parse_run(raw: bytes | None) -> str | None:
+    """The run id in the bytes of root's run file (None when absent). A damaged file still
+    names one run, the same on every read: ``damaged-<hash of its bytes>`` (never a real id)."""
+    if raw is None:
+        return None
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        rec = None
+    if isinstance(rec, dict) and rec.get("format") == RUN_FORMAT and isinstance(rec.get("id"), str) and rec["id"]:
+        return str(rec["id"])
+    return "damaged-" + file_xxh3(raw)
+
+
+def read_run(read: Any, path: str) -> str | None:
+    """Root's run id, read with ``read(path, limit)`` (a storage's); a file another manager is
+    creating this instant (empty or torn) is read again briefly before it counts as damaged."""
+    raw = read(path, RECORD_MAX)
+    for _ in range(20):
+        if raw is None or not str(parse_run(raw)).startswith("damaged-"):
+            break
+        time.sleep(0.05)
+        raw = read(path, RECORD_MAX)
+    return parse_run(raw)
 
 
 def step_name(step: int) -> str:
@@ -292,6 +347,7 @@ class NodeDir:
         self.tag = tier_tag(root)
         self.base = os.path.join(self.local_dir, self.tag)
         self.node = node_id()
+        self.run: str | None = None  # the run id agreed (CheckpointManager._tier_run); None: unchecked
         self._parsed: dict[str, dict[str, Any]] = {}  # manifest xxh3 -> parsed (the newest 8)
         # The tier URL's key of this directory in this process: the run's tag, unless another
         # manager of this process registered the tag for another local_dir (then tag~1, ...):
@@ -313,14 +369,99 @@ class NodeDir:
     def ensure(self) -> None:
         os.makedirs(self.base, exist_ok=True)
         marker = os.path.join(self.base, TIER_FILE)
-        if not os.path.exists(marker):
-            write_bytes_atomic(marker, json.dumps({"format": TIER_FORMAT, "root": self.root}).encode())
+        if not os.path.lexists(marker):
+            write_bytes_atomic(marker, json.dumps(self._dir_record()).encode())
+
+    def _dir_record(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"format": TIER_FORMAT, "root": self.root}
+        if self.run is not None:
+            rec["run_id"] = self.run
+        return rec
 
     def ours(self) -> bool:
-        """The run directory exists and belongs to this root (a hash collision or a copied
-        directory of another run is never used)."""
+        """The run directory exists and belongs to this root and run (a hash collision, a copied
+        directory of another root, or an earlier run's data at this root path is never used)."""
         rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
-        return isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
+        return (isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
+                and (self.run is None or rec.get("run_id") == self.run))
+
+    # ------------------------------------------------------------------ run identity
+    def recorded(self) -> dict[str, Any]:
+        """For the run agreement (``CheckpointManager._tier_run``): this node's recorded run id
+        (None when none), whether its directory is this root's at all (``mine``: a tier.json of
+        this root), holds data (``data``: anything besides tier.json), and exists."""
+        present = os.path.lexists(self.base)
+        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
+        mine = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
+        run = rec.get("run_id") if mine and isinstance(rec.get("run_id"), str) else None
+        try:
+            data = any(n != TIER_FILE for n in os.listdir(self.base)) if present else False
+        except OSError:
+            data = present
+        other_root = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root
+        return {"node": self.node, "run": run, "mine": mine, "data": data, "present": present,
+                "other_root": other_root}
+
+    def adopt(self, run: str, legacy: bool) -> str | None:
+        """The node's first rank, once the run id is agreed (before any rank of the node reads
+        or writes the directory): data recorded for ``run`` is kept; data without an id is
+        stamped with ``run`` when ``legacy`` (it is this run's); another run's data (or old data
+        not adopted, or a directory whose record is damaged) is moved aside, never deleted
+        (:meth:`move_aside`). Returns the path it was moved to, or None."""
+        self.run = run
+        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
+        if not os.path.lexists(self.base):
+            return None
+        if isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root:
+            return None  # another root's (a hash collision): never used (ours()), left alone
+        mine = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT
+        have = rec.get("run_id") if mine else None
+        if mine and have == run:
+            return None
+        try:
+            data = any(n != TIER_FILE for n in os.listdir(self.base))
+        except OSError:
+            data = True
+        if not data:  # nothing but a record: made this run's
+            _clear_dir_entry(os.path.join(self.base, TIER_FILE))
+            write_bytes_atomic(os.path.join(self.base, TIER_FILE), json.dumps(self._dir_record()).encode())
+            return None
+        if mine and have is None and legacy:
+            for name in self._step_names():  # an upgrading run's steps: this run's from now on
+                path = os.path.join(self.base, name, TIER_FILE)
+                srec = read_record(path)
+                if isinstance(srec, dict) and "run_id" not in srec:
+                    with contextlib.suppress(OSError):
+                        write_bytes_atomic(path, json.dumps({**srec, "run_id": run}).encode())
+            write_bytes_atomic(os.path.join(self.base, TIER_FILE), json.dumps(self._dir_record()).encode())
+            return None
+        label = (have if isinstance(have, str) and have else "legacy") if mine else "damaged"
+        return self.move_aside(label)
+
+    def move_aside(self, label: str) -> str | None:
+        """Rename the run directory to ``run-<hash>.other-<label>`` (a free name) beside it."""
+        safe = "".join(c for c in label if c.isalnum() or c in "-_")[:64] or "unknown"
+        for n in range(1000):
+            aside = os.path.join(self.local_dir, f"{self.tag}{OTHER}{safe}" + (f"-{n}" if n else ""))
+            if os.path.lexists(aside):
+                continue
+            try:
+                os.rename(self.base, aside)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if os.path.lexists(aside):
+                    continue
+                raise CheckpointError(f"cannot move another run's local data {self.base} aside to {aside}: "
+                                      f"{exc}; delete it") from exc
+            return aside
+        raise CheckpointError(f"cannot move another run's local data {self.base} aside; delete it")
+
+    def _step_names(self) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.base) if n.startswith("step-") and n[5:].isdigit()]
+        except OSError:
+            return []
 
     # ------------------------------------------------------------------ inventory
     def steps(self) -> list[int]:
@@ -379,6 +520,8 @@ class NodeDir:
         if not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step:
             return None, whole.format(f"{os.path.join(d, TIER_FILE)} is missing, damaged or names another "
                                       "root or step")
+        if self.run is not None and rec.get("run_id") != self.run:
+            return None, whole.format(f"{os.path.join(d, TIER_FILE)} names another run of this root")
         try:
             raw, man = self.read_manifest(step)
         except (CheckpointError, OSError) as exc:
@@ -466,9 +609,11 @@ class NodeDir:
             _clear_dir_entry(os.path.join(d, MANIFEST))
             write_bytes_atomic(os.path.join(d, MANIFEST), manifest)
         rec = read_record(os.path.join(d, TIER_FILE))
-        if not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step:
+        if (not isinstance(rec, dict) or rec.get("root") != self.root or rec.get("step") != step
+                or rec.get("run_id") != self.run):
             _clear_dir_entry(os.path.join(d, TIER_FILE))
-            keep = {"root": self.root, "step": step, "node": self.node, "own": [], "replicas": []}
+            keep = {"root": self.root, "step": step, "run_id": self.run, "node": self.node, "own": [],
+                    "replicas": []}
             write_bytes_atomic(os.path.join(d, TIER_FILE), json.dumps(keep).encode())
 
     def room_for(self, step: int, name: str) -> str:
@@ -496,7 +641,8 @@ class NodeDir:
         for name, data in (extras or {}).items():
             write_bytes_atomic(os.path.join(part, name), data)
         write_bytes_atomic(os.path.join(part, MANIFEST), manifest)
-        rec = {"root": self.root, "step": step, "node": self.node, "own": own, "replicas": replicas}
+        rec = {"root": self.root, "step": step, "run_id": self.run, "node": self.node, "own": own,
+               "replicas": replicas}
         write_bytes_atomic(os.path.join(part, TIER_FILE), json.dumps(rec).encode())
         final = self.step_dir(step)
         if os.path.exists(final):  # a step saved again (a run restarted from an older step)
@@ -592,6 +738,7 @@ def describe(path: str) -> list[dict[str, Any]] | None:
             return None
         nd = NodeDir.__new__(NodeDir)  # a reader of one run directory: no tier URL key to register
         nd.base, nd.root, nd._parsed = d, str(rec.get("root")), {}
+        nd.run = rec.get("run_id") if isinstance(rec.get("run_id"), str) else None
         marks = nd.quarantined()
         steps = []
         for s in nd.steps():
@@ -602,7 +749,11 @@ def describe(path: str) -> list[dict[str, Any]] | None:
                           "of": len(got["all"]) if got else None, "own": held.get("own", []),
                           "replicas": held.get("replicas", []), "node": held.get("node"),
                           "quarantined": marks.get(str(s))})
-        return {"run": d, "root": rec.get("root"), "steps": steps, "quarantine": marks}
+        # run-<hash>.other-<id>: another run's data of this root path, moved aside by a new run
+        # (NodeDir.move_aside): it belongs to no run; nothing restores from it.
+        moved = OTHER in os.path.basename(d)
+        return {"run": d, "root": rec.get("root"), "run_id": rec.get("run_id"), "moved_aside": moved,
+                "steps": steps, "quarantine": marks}
 
     one = run_of(path)
     if one is not None:
