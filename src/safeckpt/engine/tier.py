@@ -350,7 +350,8 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
                 notes += [f"restore: step {s} on {v['node']}: {why}" for s, why in sorted(v["damaged"].items())]
                 merge_marks(quarantine, v["q"])
             inv.setdefault(v["node"], v["inv"])
-        root = root_side({int(s) for i in inv.values() for s in i})
+        # root's save of a step the nodes hold or a node's mark names: which save it is
+        root = root_side({int(s) for i in inv.values() for s in i} | {int(s) for s in quarantine})
         merge_marks(quarantine, root.get("quarantine", {}))
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
 
@@ -493,10 +494,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return {"skip": f"step {step}: no valid copy of {', '.join(sorted(set(lacking))[:5])} on any node"
                     + (" nor under root" if root_file is not None else "")}
         entries = []
-        order = list(dict.fromkeys(nodes))
+        ranks_of: dict[str, list[int]] = {}
+        for r, m in enumerate(nodes):
+            ranks_of.setdefault(m, []).append(r)
         placed = placement(man, nodes, replicas)
-        for n in order:
-            ranks = [r for r, m in enumerate(nodes) if m == n]
+        for n, ranks in ranks_of.items():
             wanted = set(placed.get(n, ()))
             for r in ranks:
                 wanted |= data_files if reports[r] == "all" else set(reports[r])
@@ -505,7 +507,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     continue
                 srcs = []
                 for j, h in enumerate(good[f]):
-                    hr = [r for r, m in enumerate(nodes) if m == h]
+                    hr = ranks_of[h]
                     srcs.append(hr[(i + j) % len(hr)])
                 if in_root and root_file is not None:
                     srcs.append(ROOT)
@@ -527,79 +529,90 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     rounds = max((len(e[2]) for e in entries), default=0)
     unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
     from_memory = True  # and every such file is held in memory for the load (see held_files)
-    for k in range(rounds):
-        todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
-        if not any(not done[i] for i in range(len(entries))):
-            break
+    held_here: list[str] = []  # files this rank could not keep and holds in memory for its load
+    kept: set[int] = set()  # entries whose fetched file its node keeps on disk
+    try:  # whatever is held in memory is released on every way out (see held_files)
+        for k in range(rounds):
+            todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
+            if not any(not done[i] for i in range(len(entries))):
+                break
 
-        def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
-            sends, recvs, got, failed, unhealed = [], [], [], [], []
-            in_memory = True  # every file this rank could not keep is held in memory for the load
-            for i in todo:
-                dest, f, srcs = entries[i]
-                src = srcs[k]
-                if src == me:
+            def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
+                sends, recvs, got, failed, unhealed, keeps = [], [], [], [], [], []
+                in_memory = True  # every file this rank could not keep is held in memory for the load
+                for i in todo:
+                    dest, f, srcs = entries[i]
+                    src = srcs[k]
+                    if src == me:
+                        try:
+                            data = read_file(nd.file_path(step, f), expected[f][0])
+                        except (OSError, CheckpointError):  # gone meanwhile: zeros, which the receiver rejects
+                            data = torch.zeros(expected[f][0], dtype=torch.uint8)
+                        sends.append((dest, i, as_tensor(data)))
+                    if dest == me and src != ROOT:
+                        recvs.append((src, i, torch.empty(expected[f][0], dtype=torch.uint8)))
+                send_recv(coord, sends, recvs)
+                arrived: list[tuple[int, Any]] = [(tag, buf.numpy()) for _, tag, buf in recvs]
+                for i in todo:
+                    dest, f, srcs = entries[i]
+                    if dest == me and srcs[k] == ROOT:
+                        assert root_file is not None
+                        try:
+                            arrived.append((i, root_file(expected[f][1])))
+                        except Exception as exc:  # noqa: BLE001 - the root copy is just one more source
+                            failed.append([i, f"root: {type(exc).__name__}: {exc}"])
+                for i, data in arrived:
+                    f = entries[i][1]
+                    if data is None or len(data) != expected[f][0] or file_xxh3(data) != expected[f][1]:
+                        failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
+                                          "failed verification"])
+                        continue
                     try:
-                        data = read_file(nd.file_path(step, f), expected[f][0])
-                    except (OSError, CheckpointError):  # gone meanwhile: zeros, which the receiver rejects
-                        data = torch.zeros(expected[f][0], dtype=torch.uint8)
-                    sends.append((dest, i, as_tensor(data)))
-                if dest == me and src != ROOT:
-                    recvs.append((src, i, torch.empty(expected[f][0], dtype=torch.uint8)))
-            send_recv(coord, sends, recvs)
-            arrived: list[tuple[int, Any]] = [(tag, buf.numpy()) for _, tag, buf in recvs]
-            for i in todo:
-                dest, f, srcs = entries[i]
-                if dest == me and srcs[k] == ROOT:
-                    assert root_file is not None
-                    try:
-                        arrived.append((i, root_file(expected[f][1])))
-                    except Exception as exc:  # noqa: BLE001 - the root copy is just one more source
-                        failed.append([i, f"root: {type(exc).__name__}: {exc}"])
-            for i, data in arrived:
-                f = entries[i][1]
-                if data is None or len(data) != expected[f][0] or file_xxh3(data) != expected[f][1]:
-                    failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
-                                      "failed verification"])
-                    continue
-                try:
-                    _keep(nd, step, f, data, raw, repaired)
-                except OSError as exc:  # healing is best effort: the file is here, not on disk
-                    unhealed.append(f"{f} on {nd.node}: {type(exc).__name__}: {exc}")
-                    in_memory = in_memory and held_files.hold(nd.file_path(step, f), data) and \
-                        held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
-                got.append(i)
-            return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory}
+                        _keep(nd, step, f, data, raw, repaired)
+                        keeps.append(i)
+                    except OSError as exc:  # healing is best effort: the file is here, not on disk
+                        unhealed.append(f"{f} on {nd.node}: {type(exc).__name__}: {exc}")
+                        with contextlib.suppress(OSError, CheckpointError):  # a damaged copy left there:
+                            os.unlink(nd.file_path(step, f))  # gone, so no reader can take it (fails closed)
+                        # Held for this process's load only: usable when it is the node's one rank
+                        # (another rank of the node would find the file missing on disk).
+                        in_memory = in_memory and len(members) == 1 and \
+                            held_files.hold(nd.file_path(step, f), data) and \
+                            held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
+                        held_here.append(f)
+                    got.append(i)
+                return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory, "kept": keeps}
 
-        res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
-        from_memory = from_memory and all(rep["in_memory"] for rep in res)
-        for rep in res:
-            for i in rep["got"]:
-                done[i] = True
-            for _i, why in rep["failed"]:
-                warn(f"restore of step {step}: {why}; trying the next copy")
-            unhealed += rep["unhealed"]
-    if not all(done):
-        missing = sorted({entries[i][1] for i in range(len(entries)) if not done[i]})
-        reasons.append(f"step {step}: no copy of {', '.join(missing[:5])} could be fetched and verified")
-        return False
-    if unhealed:
-        warn(f"restore of step {step}: a node could not keep the copies it fetched ({'; '.join(unhealed[:3])}"
-             f"{'; ...' if len(unhealed) > 3 else ''}): " + (
-                 "loading them from memory; its node-local tier is not healed" if from_memory else
-                 "loading the step from root" if in_root else "its node-local tier is not healed"))
-        if not from_memory:
-            held_files.release(nd.step_dir(step))
-            if in_root and root_file is not None:
-                return "root"
-            reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
+            res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
+            from_memory = from_memory and all(rep["in_memory"] for rep in res)
+            for rep in res:
+                for i in rep["got"]:
+                    done[i] = True
+                kept.update(rep["kept"])
+                for _i, why in rep["failed"]:
+                    warn(f"restore of step {step}: {why}; trying the next copy")
+                unhealed += rep["unhealed"]
+        if not all(done):
+            missing = sorted({entries[i][1] for i in range(len(entries)) if not done[i]})
+            reasons.append(f"step {step}: no copy of {', '.join(missing[:5])} could be fetched and verified")
             return False
-    # What this node's files hold was verified whole in this restore (its own copies in
-    # tier-verify, the fetched ones on arrival): the load reads them once, without hashing again.
-    trusted = set(my_rec["files"]) - {f for n, f in bad_at if n == nd.node} if my_rec is not None and \
-        my_rec["manifest"] == mhash else set()
-    trusted |= {e[1] for i, e in enumerate(entries) if done[i] and nodes[e[0]] == nd.node}
-    try:
+        if unhealed:
+            warn(f"restore of step {step}: a node could not keep the copies it fetched ({'; '.join(unhealed[:3])}"
+                 f"{'; ...' if len(unhealed) > 3 else ''}): " + (
+                     "loading them from memory; its node-local tier is not healed" if from_memory else
+                     "loading the step from root" if in_root else "its node-local tier is not healed"))
+            if not from_memory:
+                held_files.release(nd.step_dir(step))
+                if in_root and root_file is not None:
+                    return "root"
+                reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
+                return False
+        # What this node's files hold was verified whole in this restore (its own copies in
+        # tier-verify, the fetched ones on arrival): the load reads them once, without hashing again.
+        trusted = set(my_rec["files"]) - {f for n, f in bad_at if n == nd.node} if my_rec is not None and \
+            my_rec["manifest"] == mhash else set()
+        trusted |= {e[1] for i, e in enumerate(entries) if i in kept and nodes[e[0]] == nd.node}
+        trusted |= set(held_here) if from_memory else set()
         load_verified(url, state, strict=strict, timeout=timeout, trusted=frozenset(trusted & data_files))
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
@@ -621,14 +634,14 @@ def placement(man: dict[str, Any], nodes: list[str], replicas: int) -> dict[str,
     the step was saved on another world size. O(files of the node) each."""
     if man.get("world_size") != len(nodes):
         return {}
-    of_rank = {rec.get("rank"): name for name, rec in (man.get("files") or {}).items() if isinstance(rec, dict)}
+    of_rank: dict[Any, list[str]] = {}
+    for name, rec in (man.get("files") or {}).items():
+        if isinstance(rec, dict):
+            of_rank.setdefault(rec.get("rank"), []).append(name)
     out: dict[str, set[str]] = {}
     for r, dests in replica_targets(nodes, replicas).items():
-        name = of_rank.get(r)
-        if name is None:
-            continue
         for holder in (r, *dests):
-            out.setdefault(nodes[holder], set()).add(name)
+            out.setdefault(nodes[holder], set()).update(of_rank.get(r, ()))
     return out
 
 
