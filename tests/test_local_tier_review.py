@@ -264,6 +264,43 @@ def test_a_step_saved_again_after_its_quarantine_is_restored_from_the_local_tier
         assert out[2][1] == [22, True], out
 
 
+def _two_orders(rank: int, world: int, root: str, nodes: str) -> list:
+    """Two managers of one root with other local_dirs, made in opposite orders on the ranks."""
+    import safeckpt
+
+    os.environ["GROUP_RANK"] = str(rank)
+
+    def mgr(local: str) -> safeckpt.CheckpointManager:
+        return safeckpt.CheckpointManager(root, local_dir=os.path.join(nodes, f"{local}{rank}"), durable_every=None,
+                                          replicas=1, keep_last=None, preemption_signals=(), timeout=20)
+
+    a, b = (mgr("la"), mgr("lb")) if rank == 0 else tuple(reversed((mgr("lb"), mgr("la"))))
+    a.save(1, _state(1, rank))
+    a.wait()
+    b.save(2, _state(2, rank))
+    b.wait()
+    out = []
+    for m, step in ((a, 1), (b, 2)):
+        st = _state(0, rank)
+        got = m.restore(st)
+        out.append([got, torch.equal(st["w"], _state(step, rank)["w"]), m.restored_path])
+    a.close(drain=False)
+    b.close(drain=False)
+    return out
+
+
+def test_managers_made_in_other_orders_on_the_ranks_agree_on_their_directories(tmp_path):
+    """Rank 0 makes manager A then B, rank 1 B then A (same root, other local_dirs): each manager's
+    tier URL is agreed at its first collective, so both save and restore their own steps."""
+    outs = dist_harness.run(_two_orders, 2, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=90)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        (ga, oka, pa), (gb, okb, pb) = o.value
+        assert (ga, oka, gb, okb) == (1, True, 2, True), o.value
+        assert pa != pb
+    assert [o.value[0][2] for o in outs] == [outs[0].value[0][2]] * 2  # the same URL on both ranks
+
+
 def test_two_managers_of_one_root_with_other_local_dirs_in_one_process(tmp_path):
     """A second manager of the same root with another local_dir (one process) does not take
     over the first one's node directory: each restores its own steps."""

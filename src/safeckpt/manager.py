@@ -44,6 +44,7 @@ from .engine.local_tier import (
     run_record,
     save_signature,
     step_files,
+    tier_tag,
     tier_url,
 )
 from .engine.request import CommitHooks, NamedLayout, SaveRequest
@@ -488,12 +489,12 @@ class CheckpointManager:
         if by_step:  # a drain attempted: the schedule goes on from here, whether root took it or not
             self._last_durable = step
         signalled = bool(self._watcher and self._watcher.flag)
+        coord = self._coord(what=f"local save of step {step}")
+        self._tier_run(coord)  # first: it agrees on tier.key, the URL's name of this node directory
+        self._check_placement(coord)
         request = SaveRequest(target=tier_url(tier.key, step), state=state, metadata=metadata, overwrite=True,
                               step=step, metrics=metrics, frozen=self.frozen, extra_files=extra_files,
                               named=named)
-        coord = self._coord(what=f"local save of step {step}")
-        self._tier_run(coord)
-        self._check_placement(coord)
         job = new_job(coord, request, store=NodeTierStorage(self.timeout))
         with paused_gc():
             job.agree()
@@ -777,6 +778,7 @@ class CheckpointManager:
                          hint="Nothing was saved or loaded; the state is unchanged.")
         self._tier_nodes = list(d["nodes"])
         self._run_pending = d["pending"]
+        tier.rekey(d["key"])
         first = d["nodes"].index(tier.node) == coord.rank
         if d["fix"]:
             def fix() -> str | None:
@@ -836,7 +838,16 @@ class CheckpointManager:
                         "says; if this is a new run at the same root path, delete local_dir's data of the old one")
         fix = any(r["present"] and not r["other_root"] and (r["run"] != run or not r["mine"])
                   for r in first.values())
-        return {"run": run, "legacy": legacy, "nodes": nodes, "fix": fix, "pending": pending, "warning": note}
+        # the URL key of this manager's node directory: one free on every rank (ranks may have
+        # made their managers of this root in different orders)
+        taken = {k for r in reports for k in r.get("taken", ())}
+        tag = tier_tag(self.root)
+        key, n = tag, 0
+        while key in taken:
+            n += 1
+            key = f"{tag}~{n}"
+        return {"run": run, "legacy": legacy, "nodes": nodes, "fix": fix, "pending": pending, "warning": note,
+                "key": key}
 
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:

@@ -352,7 +352,8 @@ class NodeDir:
         # The tier URL's key of this directory in this process: the run's tag, unless another
         # manager of this process registered the tag for another local_dir (then tag~1, ...):
         # two managers of one root with different local_dirs never read each other's steps.
-        # (Managers are made in the same order on every rank, so the key is the same string.)
+        # Provisional: the run agreement (CheckpointManager._tier_run) makes it the same string
+        # on every rank (:meth:`keys_taken`, :meth:`rekey`), whatever order ranks made managers in.
         self.key = self.tag
         n = 0
         while _BASES.get(self.key, self.base) != self.base:
@@ -400,7 +401,22 @@ class NodeDir:
             data = present
         other_root = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root
         return {"node": self.node, "run": run, "mine": mine, "data": data, "present": present,
-                "other_root": other_root}
+                "other_root": other_root, "taken": self.keys_taken()}
+
+    def keys_taken(self) -> list[str]:
+        """The tier URL keys of this run's tag that this process registered for another
+        local_dir (another manager of the same root): not usable as this directory's key."""
+        return sorted(k for k, base in _BASES.items()
+                      if (k == self.tag or k.startswith(f"{self.tag}~")) and base != self.base)
+
+    def rekey(self, key: str) -> None:
+        """Take ``key`` (agreed on every rank: free on each) as this directory's URL key."""
+        if key == self.key:
+            return
+        if _BASES.get(self.key) == self.base:
+            del _BASES[self.key]
+        _BASES[key] = self.base
+        self.key = key
 
     def adopt(self, run: str, legacy: bool) -> str | None:
         """The node's first rank, once the run id is agreed (before any rank of the node reads
