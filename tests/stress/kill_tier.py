@@ -11,8 +11,9 @@ The crash job then saves steps 4 (durable: drained to root) and 5 (local only), 
 each, and closes (close drains 5 to root). One rank dies (SIGKILL or ``os._exit``) at:
 
 - each decide of the tier (``local-write``, ``replicate``, ``local-publish``; the drain's
-  ``durable-begin`` and ``write``; the restore's ``tier-inventory``, ``tier-verify``,
-  ``tier-fetch``): at its entry, after its local part, at rank 0's resolve, after it;
+  ``durable-begin`` and ``write``; the restore's ``tier-run`` (the manager's first tier
+  collective), ``tier-inventory``, ``tier-verify``, ``tier-plan``, ``tier-fetch``): at its
+  entry, after its local part, at rank 0's resolve, after it;
 - each step inside them: half of a data file written into the node's partial directory, that
   file's fsync; the replica transfer's entry, the first ``isend`` posted, everything received
   (before the checksum), a replica written before its rename; the node's manifest written
@@ -96,6 +97,9 @@ TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
     "drain/commit-after-publish": ("write", "inside", R0, True),
     "drain/retain-mid": ("write", "inside", R0, True),
     "drain/write-decided": ("write", "decided", R0, True),
+    "restore/tier-run": ("tier-run", "entry", ANY, False),
+    "restore/tier-run-resolve": ("tier-run", "resolve", R0, False),
+    "restore/tier-run-decided": ("tier-run", "decided", R0, False),
     "restore/tier-inventory": ("tier-inventory", "entry", ANY, False),
     "restore/tier-inventory-after": ("tier-inventory", "after", ANY, False),
     "restore/tier-inventory-resolve": ("tier-inventory", "resolve", R0, False),
@@ -105,6 +109,10 @@ TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
     "restore/tier-verify-after": ("tier-verify", "after", ANY, False),
     "restore/tier-verify-resolve": ("tier-verify", "resolve", R0, False),
     "restore/tier-verify-decided": ("tier-verify", "decided", R0, False),
+    "restore/tier-plan": ("tier-plan", "entry", ANY, False),
+    "restore/tier-plan-after": ("tier-plan", "after", ANY, False),
+    "restore/tier-plan-resolve": ("tier-plan", "resolve", R0, False),
+    "restore/tier-plan-decided": ("tier-plan", "decided", R0, False),
     "restore/tier-fetch": ("tier-fetch", "entry", ANY, False),
     "restore/tier-fetch-mid-send": ("tier-fetch", "inside", HOLDER, False),
     "restore/tier-fetch-keep-rename": ("tier-fetch", "inside", LACKING, False),
