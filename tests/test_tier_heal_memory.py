@@ -1,6 +1,6 @@
 """A restore whose node cannot keep the files it fetches (ENOSPC on local_dir): files held in
 memory serve only the process that holds them and are released on every way out; a damaged
-copy left on disk is never trusted. Regressions of the adversarial review of the tier's
+copy left on disk is never read. Regressions of the adversarial review of the tier's
 restore (real processes: 2 simulated nodes of 1 or 2 ranks, GROUP_RANK per node, gloo)."""
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def _run(plan, tmp_path, world=2, per_node=1, **kw):
     return [o.value for o in outs]
 
 
-def test_a_damaged_copy_on_a_full_node_of_two_ranks_is_never_trusted(tmp_path):
+def test_a_damaged_copy_on_a_full_node_of_two_ranks_is_never_loaded(tmp_path):
     """2 nodes x 2 ranks; node 1's copies of step 11 (local only) are damaged and its disk is
     full: the fetched files cannot be kept, and the damaged copies are not loaded unhashed by the
     node's other rank. The step cannot be served (a node's second rank would lack the bytes),

@@ -91,17 +91,6 @@ def load(
         return _load(path, state, strict, timeout, verify_checksums, storage_options)
 
 
-def load_verified(path: str, state: MutableMapping[str, Any], *, strict: bool | str, timeout: float | None,
-                  trusted: frozenset[str]) -> CheckpointInfo:
-    """:func:`load` of a checkpoint whose data files named in ``trusted`` were verified whole
-    (xxh3-128 against the validated manifest) by the caller just before, on this node: their
-    chunks are read once, into place, not hashed a second time (the node-local tier's restore)."""
-    if strict not in (True, False, "entries"):
-        raise ValueError(f"strict must be True, False or 'entries', got {strict!r}")
-    with paused_gc():
-        return _load(path, state, strict, timeout, True, None, trusted)
-
-
 def files_needed(path: str, man: dict[str, Any], state: MutableMapping[str, Any], *, strict: bool | str,
                  rank: int, world_size: int) -> set[str] | None:
     """The data files a load of ``man`` (a validated manifest, as stored) into ``state`` reads on
@@ -124,8 +113,7 @@ def files_needed(path: str, man: dict[str, Any], state: MutableMapping[str, Any]
 
 
 def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict: bool | str, timeout: float | None,
-          verify_checksums: bool, storage_options: Mapping[str, Any] | None,
-          trusted: frozenset[str] = frozenset()) -> CheckpointInfo:
+          verify_checksums: bool, storage_options: Mapping[str, Any] | None) -> CheckpointInfo:
     target = resolve(path)
     coord = Coordinator(timeout, what=f"load from {target}")
     store = storage_for(target, storage_options, timeout=coord.timeout)
@@ -143,7 +131,6 @@ def _load(path: str | os.PathLike[str], state: MutableMapping[str, Any], strict:
                 views.append(_frozen.for_load(state, True))
             job = _LoadJob(target, man, views[0] if views else state, strict, coord.rank, verify_checksums,
                            coord.world_size, store)
-            job.trusted = trusted
             jobs.append(job)
             job.plan()
             job.check()
@@ -237,7 +224,6 @@ class _LoadJob:
         self.shared_skipped: list[tuple[str, int, int]] = []  # chunks another rank of this machine verifies
         self.saved_world = int(man.get("world_size", 1))
         self.per_rank_keys = {k for k, rec in man["tensors"].items() if rec.get("scope") == "per_rank"}
-        self.trusted: frozenset[str] = frozenset()  # data files verified whole just before (load_verified)
 
     def record(self, key: str) -> dict[str, Any]:
         """The manifest record of ``key`` (for an alias, the record of the tensor it shares)."""
@@ -378,9 +364,6 @@ class _LoadJob:
         if self.layout is not None:
             view = self.layout.view(self.layout.files_for(targets, self.rank))
         self.reader = TensorReader(self.dir, view, rank=self.rank, verify=self.verify, store=self.store)
-        if self.trusted:
-            self.reader.trust_idents([(c["file"], c["start"], c["end"]) for rec in view["tensors"].values()
-                                      for c in rec.get("chunks", ()) if c["file"] in self.trusted])
 
     def check(self) -> None:
         """Read stateful objects' state into fresh tensors and verify every chunk the in-place

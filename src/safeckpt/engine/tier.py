@@ -49,7 +49,7 @@ from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import write_bytes_atomic
 from . import held_files
-from .load import files_needed, load_verified
+from .load import files_needed, load
 from .local_tier import (
     NodeDir,
     as_tensor,
@@ -529,8 +529,6 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     rounds = max((len(e[2]) for e in entries), default=0)
     unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
     from_memory = True  # and every such file is held in memory for the load (see held_files)
-    held_here: list[str] = []  # files this rank could not keep and holds in memory for its load
-    kept: set[int] = set()  # entries whose fetched file its node keeps on disk
     try:  # whatever is held in memory is released on every way out (see held_files)
         for k in range(rounds):
             todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
@@ -538,7 +536,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                 break
 
             def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
-                sends, recvs, got, failed, unhealed, keeps = [], [], [], [], [], []
+                sends, recvs, got, failed, unhealed = [], [], [], [], []
                 in_memory = True  # every file this rank could not keep is held in memory for the load
                 for i in todo:
                     dest, f, srcs = entries[i]
@@ -569,7 +567,6 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                         continue
                     try:
                         _keep(nd, step, f, data, raw, repaired)
-                        keeps.append(i)
                     except OSError as exc:  # healing is best effort: the file is here, not on disk
                         unhealed.append(f"{f} on {nd.node}: {type(exc).__name__}: {exc}")
                         with contextlib.suppress(OSError, CheckpointError):  # a damaged copy left there:
@@ -579,16 +576,14 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                         in_memory = in_memory and len(members) == 1 and \
                             held_files.hold(nd.file_path(step, f), data) and \
                             held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
-                        held_here.append(f)
                     got.append(i)
-                return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory, "kept": keeps}
+                return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory}
 
             res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
             from_memory = from_memory and all(rep["in_memory"] for rep in res)
             for rep in res:
                 for i in rep["got"]:
                     done[i] = True
-                kept.update(rep["kept"])
                 for _i, why in rep["failed"]:
                     warn(f"restore of step {step}: {why}; trying the next copy")
                 unhealed += rep["unhealed"]
@@ -607,13 +602,9 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     return "root"
                 reasons.append(f"step {step}: a node could not keep the copies it fetched ({unhealed[0]})")
                 return False
-        # What this node's files hold was verified whole in this restore (its own copies in
-        # tier-verify, the fetched ones on arrival): the load reads them once, without hashing again.
-        trusted = set(my_rec["files"]) - {f for n, f in bad_at if n == nd.node} if my_rec is not None and \
-            my_rec["manifest"] == mhash else set()
-        trusted |= {e[1] for i, e in enumerate(entries) if i in kept and nodes[e[0]] == nd.node}
-        trusted |= set(held_here) if from_memory else set()
-        load_verified(url, state, strict=strict, timeout=timeout, trusted=frozenset(trusted & data_files))
+        # Every chunk is verified again as the load reads it: a file's whole-file checksum matching
+        # the manifest does not prove its index's chunk checksums agree (a forged file would pass).
+        load(url, state, strict=strict, timeout=timeout)
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         reasons.append(f"step {step} (local tier): {exc}")
         return False
