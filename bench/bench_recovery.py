@@ -10,8 +10,8 @@ where it says so; each figure is the median of ``--repeat`` measurements (the lo
 - ``plain copy``: the time to copy the state's tensors into preallocated host buffers (what a
   local save must at least block for); ``local save blocked``: ``mgr.save`` returning;
   ``local save complete``: ``mgr.wait`` (file written, replicas sent, verified, published);
-- ``restore after node loss (local + peers)``: node N-1's directory wiped, root moved away (so
-  not a byte can be read from it), a fresh job restores the newest step;
+- ``restore after node loss (local + peers)``: node N-1's directory wiped, root's checkpoints
+  moved away (so not a byte can be read from them), a fresh job restores the newest step;
 - ``restore from root (cold)``: no local data, root's files dropped from the page cache
   (fsync + POSIX_FADV_DONTNEED) first;
 - ``plain read from local_dir``: reading every file of the step from node 0's directory;
@@ -217,13 +217,21 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
     res = _phase(args, "save")
-    # node N-1 lost, root moved away: nothing can be read from it
+    # node N-1 lost, root's checkpoints moved away: nothing can be read from them (root keeps
+    # its run file: without it the nodes' data would be another run's, see engine.local_tier)
+    from safeckpt.engine.local_tier import RUN_FILE
+
     shutil.rmtree(os.path.join(args.local, f"node{args.nodes - 1}"))
     root, aside = os.path.join(args.dir, "root"), os.path.join(args.dir, "root-aside")
-    os.rename(root, aside)
+    os.makedirs(aside)
+    moved = [n for n in os.listdir(root) if n != RUN_FILE]
+    for n in moved:
+        os.rename(os.path.join(root, n), os.path.join(aside, n))
     res.update(_phase(args, "node-loss"))
-    res["bytes read from root"] = 0 if not os.path.exists(root) else "root reappeared?"
-    os.rename(aside, root)
+    left = [n for n in os.listdir(root) if n != RUN_FILE]
+    res["bytes read from root"] = 0 if not left else f"root holds {left}?"
+    for n in moved:
+        os.rename(os.path.join(aside, n), os.path.join(root, n))
     res.update(_phase(args, "root"))
     shutil.rmtree(args.local, ignore_errors=True)
     print(f"state: {args.params / 1e6:.0f}M float32 parameters ({res['bytes'] / 2**20:.0f} MiB per step), "
