@@ -118,7 +118,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
         res["local save blocked"] = median(blocked)
         res["local save complete"] = median(complete)
         mgr.close()  # drains the newest step to root
-        res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs)
+        res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs
+                           if os.path.relpath(dp, root).startswith("step-"))  # the checkpoints, not the lease
         # the training loop, without and with a local save at every step
         x = torch.randn(64, 1024, device=args.device)
 
