@@ -58,3 +58,23 @@ def test_without_the_exit_hook_each_save_runs_on_a_non_daemon_thread(monkeypatch
     saver.submit(lambda: threading.current_thread().daemon, "step 1")
     assert saver._thread is not None
     assert saver.wait() is False
+
+
+def test_a_process_forked_while_a_save_is_in_flight_exits_at_once():
+    """A DataLoader worker forked while a background save runs inherits the saver but not its
+    worker: at its exit the hook must not wait for the parent's save (it hung forever)."""
+    import multiprocessing as mp
+
+    saver = background.AsyncSaver()
+    release = threading.Event()
+    saver.submit(lambda: release.wait(20), "step 1")
+    child = mp.get_context("fork").Process(target=lambda: None)
+    started = time.time()
+    child.start()
+    child.join(15)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    release.set()
+    assert saver.wait() is True
+    assert not alive and child.exitcode == 0 and time.time() - started < 10

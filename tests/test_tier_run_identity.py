@@ -203,3 +203,90 @@ def test_legacy_local_data_is_adopted_by_a_root_with_steps_and_no_run_file(tmp_p
         moved = [w for w in o[0][2] if "another run of this root" in w]
         assert len(moved) == 1 and ".other-legacy" in moved[0], o
         assert not os.path.exists(_run_dir(nodes, n, root))
+
+
+def test_a_run_that_never_reached_root_is_the_same_run_at_its_restart(tmp_path):
+    """Run A's root is unreachable from its first tier collective on (its id agreed by the
+    nodes, unconfirmed) and A dies before any drain: the restart, with root back and no run
+    file there, adopts A's id (the run had never reached root: not a deleted root) and restores
+    A's local step; a later new run after root's deletion is another run again."""
+    root, nodes = tmp_path / "root", tmp_path / "nodes"
+    _run([("unreachable",), ("save", 1, 1.0), ("save", 2, 2.0)], root, nodes)
+    ids = {_recorded(nodes, n, root) for n in range(NODES)}
+    assert len(ids) == 1 and None not in ids
+    (a_id,) = ids
+    for n in range(NODES):
+        assert json.loads(open(os.path.join(_run_dir(nodes, n, root), "tier.json")).read())["unconfirmed"] is True
+    outs = _run([("restore", 2.0)], root, nodes)
+    for o in outs:
+        (_, got, notes), = o
+        assert got == [2, True], o
+        assert not [w for w in notes if "another run" in w], notes
+    assert _root_id(root) == a_id  # root's run file names A now: confirmed
+    for n in range(NODES):
+        assert "unconfirmed" not in json.loads(open(os.path.join(_run_dir(nodes, n, root), "tier.json")).read())
+    shutil.rmtree(root)  # now a deleted root means another run
+    outs = _run([("restore",)], root, nodes)
+    for o in outs:
+        (_, got, notes), = o
+        assert got == [None, True] and [w for w in notes if "another run" in w], o
+
+
+def _adopt_fails(rank: int, world: int, root: str, local: str, fail: bool) -> list:
+    """One node of 2 ranks; with ``fail`` its first rank cannot move another run's data aside."""
+    import safeckpt
+
+    os.environ["GROUP_RANK"] = "0"
+    mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=10, keep_last=None, preemption_signals=(),
+                                     timeout=20)
+    out: list = []
+    real = os.rename
+    if fail and rank == 0:
+        def bad(a, b, *k, **kw):  # noqa: ANN001, ANN002, ANN003
+            if ".other-" in str(b):
+                raise OSError(5, "Input/output error (test)")
+            return real(a, b, *k, **kw)
+
+        os.rename = bad
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.append(["restore", mgr.restore(_state(0, rank))])
+    except Exception as exc:  # noqa: BLE001 - recorded
+        out.append(["restore raised", type(exc).__name__])
+    os.rename = real
+    try:
+        mgr.save(1, _state(1, rank, 3.0))
+        mgr.wait()
+        out.append(["save", True])
+    except Exception as exc:  # noqa: BLE001 - recorded
+        out.append(["save raised", type(exc).__name__])
+    return out
+
+
+def _restart(rank: int, world: int, root: str, local: str) -> list:
+    import safeckpt
+
+    os.environ["GROUP_RANK"] = "0"
+    mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=10, preemption_signals=(), timeout=20)
+    st = _state(0, rank)
+    got = mgr.restore(st)
+    return [got, torch.equal(st["w"], _state(1, rank, 3.0)["w"])]
+
+
+def test_a_failed_move_aside_leaves_every_rank_to_agree_again(tmp_path):
+    """Another run's data on a node of 2 ranks cannot be moved aside (EIO) at the restore: every
+    rank raises, and none keeps the half-agreed run id, so the next save agrees again on every
+    rank (no rank skips the agreement), moves the data aside, and its step is this run's."""
+    root, local = tmp_path / "root", tmp_path / "local"
+    for o in dist_harness.run(_adopt_fails, 2, str(root), str(local), False, timeout=100):
+        assert o.ok, (o.rank, o.error_type, o.message)
+    shutil.rmtree(root)  # a new run at the same root path
+    outs = dist_harness.run(_adopt_fails, 2, str(root), str(local), True, timeout=100)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        assert o.value[0] == ["restore raised", "RankFailure"] and o.value[1] == ["save", True], o.value
+    assert len([n for n in os.listdir(local) if ".other-" in n]) == 1  # the old run's data, moved aside whole
+    for o in dist_harness.run(_restart, 2, str(root), str(local), timeout=100):
+        assert o.ok, (o.rank, o.error_type, o.message)
+        assert o.value == [1, True], o.value

@@ -779,19 +779,21 @@ class CheckpointManager:
         self._tier_nodes = list(d["nodes"])
         self._run_pending = d["pending"]
         tier.rekey(d["key"])
+        tier.unconfirmed = d["unconfirmed"]
         first = d["nodes"].index(tier.node) == coord.rank
         if d["fix"]:
             def fix() -> str | None:
-                if first:
-                    return tier.adopt(d["run"], d["legacy"])
-                tier.run = d["run"]
-                return None
+                return tier.adopt(d["run"], d["legacy"]) if first else None
 
             def moved(paths: list[str | None]) -> list[str]:
                 return [f"{p} ({d['nodes'][r]})" for r, p in enumerate(paths) if p]
 
-            aside = coord.decide("tier-run-adopt", fix, moved,
-                                 hint="Nothing was saved or loaded; the state is unchanged.")
+            try:
+                aside = coord.decide("tier-run-adopt", fix, moved,
+                                     hint="Nothing was saved or loaded; the state is unchanged.")
+            except BaseException:
+                tier.run = None  # every rank agrees again at its next tier collective, together
+                raise
             if aside:
                 warnings.warn(
                     "local_dir holds steps of another run of this root (root was deleted or recreated); not "
@@ -815,14 +817,18 @@ class CheckpointManager:
         ids = [r["run"] for r in first.values() if r["run"]]
         legacy = any(r["mine"] and r["run"] is None and r["data"] for r in first.values())
         path = join(self.root, RUN_FILE)
-        pending, note = None, None
+        # ids agreed while root was unreachable that never reached root's run file: a run whose
+        # root had never been reached, not a deleted root (see NodeDir.unconfirmed)
+        unconfirmed = [r["run"] for r in first.values() if r["run"] and r.get("unconfirmed")]
+        pending, note, confirmed = None, None, True
         try:
             run = read_run(self._store.read, path)
             if run is None:
                 # legacy data before root has a run file: this run's if root holds its history
                 legacy = legacy and bool(committed(self.root, self._store, self._dirnames))
+                adopt = max(sorted(set(unconfirmed)), key=unconfirmed.count) if unconfirmed else None
                 with contextlib.suppress(FileExistsError):
-                    self._store.put(path, run_record(new_run_id()), exclusive=True)
+                    self._store.put(path, run_record(adopt or new_run_id()), exclusive=True)
                 run = read_run(self._store.read, path)
                 if run is None:
                     raise StorageError(f"{path} was created but cannot be read back")
@@ -832,11 +838,13 @@ class CheckpointManager:
             run = max(sorted(set(ids)), key=ids.count) if ids else new_run_id()
             legacy = legacy and not ids
             pending = run
+            confirmed = bool(ids) and run not in unconfirmed
             if ids or legacy:
                 note = (f"root {self.root} could not be read ({type(exc).__name__}: {exc}); the node-local tier "
                         f"is used as the run the nodes recorded ({run if ids else 'data of an older version'}) "
                         "says; if this is a new run at the same root path, delete local_dir's data of the old one")
-        fix = any(r["present"] and not r["other_root"] and (r["run"] != run or not r["mine"])
+        fix = any(r["present"] and not r["other_root"]
+                  and (r["run"] != run or not r["mine"] or bool(r.get("unconfirmed")) == confirmed)
                   for r in first.values())
         # the URL key of this manager's node directory: one free on every rank (ranks may have
         # made their managers of this root in different orders)
@@ -847,7 +855,7 @@ class CheckpointManager:
             n += 1
             key = f"{tag}~{n}"
         return {"run": run, "legacy": legacy, "nodes": nodes, "fix": fix, "pending": pending, "warning": note,
-                "key": key}
+                "key": key, "unconfirmed": not confirmed}
 
     def _retain(self, is_coordinator: bool, saved: int | None = None) -> list[int]:
         if not is_coordinator:

@@ -33,9 +33,11 @@ class AsyncSaver:
         self._result: Any = None
         self._label = ""
         self._hooked = False
+        self._pid = os.getpid()  # the process whose worker runs the pending save
 
     @property
     def pending(self) -> bool:
+        self._forget_if_forked()
         return self._done is not None
 
     def submit(self, fn: Callable[[], Any], label: str) -> None:
@@ -44,6 +46,7 @@ class AsyncSaver:
         loaded 2-core machine); it is a daemon, and the exit hook (registered first) waits for
         the pending save, so a script that just ends still commits it. Where that hook cannot
         be registered, each save runs on a non-daemon thread of its own, as before."""
+        self._forget_if_forked()
         assert self._done is None, "one save in flight at a time"
         self._error, self._result, self._label = None, None, label
         self._hook()
@@ -68,6 +71,17 @@ class AsyncSaver:
                 self._worker.start()
             self._ready.notify()
 
+    def _forget_if_forked(self) -> None:
+        """In a forked child (a DataLoader worker) the parent's pending save and worker do not
+        exist: nothing is pending here, and the exit hook must not wait for the parent's save
+        (it would wait forever: no thread of this process sets its event)."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._done, self._job, self._thread, self._worker = None, None, None, None
+        self._ready = threading.Condition()  # the parent's worker may have held the old one
+        self._error, self._result = None, None
+
     def _serve(self) -> None:
         """The worker: run each job handed over; after ``IDLE_EXIT`` seconds without one it
         ends (a manager no longer saving leaves no thread behind; the next save starts one)."""
@@ -91,6 +105,7 @@ class AsyncSaver:
 
     def wait(self) -> Any:
         """Block until the pending save finished; raise its error (once)."""
+        self._forget_if_forked()
         done = self._done
         if done is None:
             return None
@@ -105,6 +120,7 @@ class AsyncSaver:
         return self._result
 
     def _drain_at_exit(self) -> None:
+        self._forget_if_forked()
         if self._done is None:
             return
         try:

@@ -348,6 +348,10 @@ class NodeDir:
         self.base = os.path.join(self.local_dir, self.tag)
         self.node = node_id()
         self.run: str | None = None  # the run id agreed (CheckpointManager._tier_run); None: unchecked
+        # the id was agreed while root was unreachable and root's run file does not name it yet:
+        # a restart that finds root without a run file adopts it (the run never reached root),
+        # where a confirmed id there means root was deleted (another run)
+        self.unconfirmed = False
         self._parsed: dict[str, dict[str, Any]] = {}  # manifest xxh3 -> parsed (the newest 8)
         # The tier URL's key of this directory in this process: the run's tag, unless another
         # manager of this process registered the tag for another local_dir (then tag~1, ...):
@@ -377,6 +381,8 @@ class NodeDir:
         rec: dict[str, Any] = {"format": TIER_FORMAT, "root": self.root}
         if self.run is not None:
             rec["run_id"] = self.run
+        if self.unconfirmed:  # agreed while root was unreachable: root has no record of it yet
+            rec["unconfirmed"] = True
         return rec
 
     def ours(self) -> bool:
@@ -401,7 +407,8 @@ class NodeDir:
             data = present
         other_root = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root
         return {"node": self.node, "run": run, "mine": mine, "data": data, "present": present,
-                "other_root": other_root, "taken": self.keys_taken()}
+                "other_root": other_root, "taken": self.keys_taken(),
+                "unconfirmed": bool(mine and run is not None and rec.get("unconfirmed") is True)}
 
     def keys_taken(self) -> list[str]:
         """The tier URL keys of this run's tag that this process registered for another
@@ -433,6 +440,8 @@ class NodeDir:
         mine = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT
         have = rec.get("run_id") if mine else None
         if mine and have == run:
+            if bool(rec.get("unconfirmed")) != self.unconfirmed:  # root has it now (or still not)
+                write_bytes_atomic(os.path.join(self.base, TIER_FILE), json.dumps(self._dir_record()).encode())
             return None
         try:
             data = any(n != TIER_FILE for n in os.listdir(self.base))
