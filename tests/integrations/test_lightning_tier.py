@@ -73,7 +73,8 @@ def _resume(rank: int, world: int, root: str, nodes: str) -> dict:
     from tests.integrations import lightning_app as app
 
     ckpts = os.path.join(root, "run", "ckpts")
-    before = sorted(os.listdir(ckpts)) if os.path.isdir(ckpts) else []
+    # the checkpoints (not root's run file, .safeckpt-run.json, which the tier writes)
+    before = sorted(n for n in os.listdir(ckpts) if not n.startswith(".")) if os.path.isdir(ckpts) else []
     model, trainer = _fit(os.path.join(root, "run"), nodes, rank, world, 4, seed=11, ckpt_path="last")
     got = app.full_state(model, trainer)
     resumed_from = trainer.ckpt_path

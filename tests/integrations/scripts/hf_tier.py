@@ -87,7 +87,7 @@ def main() -> int:
     straight = run(os.path.join(out, "straight"), os.path.join(out, "nodes-straight"), None, None)
     crashed = run(os.path.join(out, "crashed"), os.path.join(out, "nodes"), STEPS, None)
     dist.barrier()
-    before = sorted(os.listdir(os.path.join(out, "crashed")))
+    before = sorted(n for n in os.listdir(os.path.join(out, "crashed")) if not n.startswith("."))  # not the run file
     resumed = run(os.path.join(out, "crashed"), os.path.join(out, "nodes"), None, True)
     if dist.get_rank() == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
