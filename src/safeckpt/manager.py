@@ -53,7 +53,6 @@ from .engine.staging import SnapshotPool
 from .engine.tier import (
     drain,
     drain_from_tier,
-    hidden_root_steps,
     holders_of,
     refuse_non_finite,
     restore_local,
@@ -659,7 +658,7 @@ class CheckpointManager:
         self._last_durable = None
         for note in plan["warnings"]:
             warnings.warn(note, SafeckptWarning, stacklevel=3)
-        quarantined = hidden_root_steps(plan)  # root's saves the marks name
+        quarantined = set(plan["root_hidden"])  # root's saves the marks name
         # root's damaged checkpoints are history: nothing restored -> raise, never a fresh start
         reasons: list[str] = [why for s, why in plan.get("root_damaged", []) if step is None or s == step]
         for cand in plan["cands"]:

@@ -354,16 +354,17 @@ def inventory(coord: Coordinator, nd: NodeDir, root_side: Callable[[], dict[str,
         root = root_side({int(s) for i in inv.values() for s in i} | {int(s) for s in quarantine})
         merge_marks(quarantine, root.get("quarantine", {}))
         steps = {int(s) for i in inv.values() for s in i} | set(root["steps"])
+        root_sigs = root.get("sigs") or {}
+        # root's steps whose committed save a mark names (any mark, when root's save is unknown)
+        root_hidden = {s for s in root["steps"] if hidden_by(quarantine, s, root_sigs.get(str(s)))}
 
         def visible(s: int) -> bool:  # some save of step s that no mark names
-            sigs = {i[str(s)].get("sig") for i in inv.values() if str(s) in i}
-            if s in root["steps"]:
-                sigs.add((root.get("sigs") or {}).get(str(s)))  # None (unknown): hidden when marked
-            return any(hidden_by(quarantine, s, sig) is None for sig in sigs)
+            return (s in root["steps"] and s not in root_hidden) or any(
+                hidden_by(quarantine, s, i[str(s)].get("sig")) is None for i in inv.values() if str(s) in i)
 
         cands = sorted((s for s in steps if visible(s)), reverse=True)
         return {"nodes": nodes, "inv": inv, "root": root["steps"], "root_paths": root.get("paths", {}), "cands": cands,
-                "root_sigs": root.get("sigs", {}),
+                "root_sigs": root_sigs, "root_hidden": sorted(root_hidden),
                 "quarantine": quarantine, "root_damaged": root.get("damaged", []),
                 "warnings": root.get("warnings", []) + notes}
 
@@ -382,13 +383,6 @@ def merge_marks(into: dict[str, Any], more: Mapping[str, Any]) -> None:
         into[s] = {"reason": cur.get("reason"), "sigs": sorted({*a, *b}) if a and b else None}
 
 
-def hidden_root_steps(plan: dict[str, Any]) -> set[int]:
-    """Root's steps whose committed save a quarantine mark names (or any mark, when root's
-    save is unknown)."""
-    sigs = plan.get("root_sigs") or {}
-    return {s for s in plan.get("root", ()) if hidden_by(plan.get("quarantine", {}), s, sigs.get(str(s)))}
-
-
 def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], dict[str, list[str]]]:
     """(the manifest hash to use, its files, file -> nodes holding a copy) for ``step``. When
     root holds the step, root's save is the committed truth: only the nodes' copies of that
@@ -401,7 +395,7 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
     names: dict[str, list[str]] = {}
     created: dict[str, str] = {}
     marks = plan.get("quarantine") or {}
-    in_root = step in plan.get("root", ()) and step not in hidden_root_steps(plan)  # a quarantined save is no truth
+    in_root = step in plan.get("root", ()) and step not in plan.get("root_hidden", ())  # a quarantined save is no truth
     root_sig = (plan.get("root_sigs") or {}).get(str(step)) if in_root else None
     for node, inv in plan["inv"].items():
         rec = inv.get(str(step))
@@ -436,7 +430,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     members = [r for r, n in enumerate(nodes) if n == nd.node]
     pos = members.index(me)
     my_rec = plan["inv"].get(nd.node, {}).get(str(step))
-    in_root = step in plan["root"] and step not in hidden_root_steps(plan)
+    in_root = step in plan["root"] and step not in plan["root_hidden"]
     man_source = next((nodes.index(n) for n in dict.fromkeys(nodes) if nd_holds(plan, n, step, mhash)), None)
 
     def verify() -> dict[str, Any]:
