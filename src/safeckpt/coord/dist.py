@@ -447,6 +447,9 @@ class Coordinator:
         receives the decision, whatever the world size. A failure of ``local`` on any rank, or
         of ``resolve``, raises the same error on every rank, as :meth:`run` does; ``done_hint``
         as in :meth:`run` (the coordinator's ``resolve`` completed, e.g. it published).
+        Every rank sends its ``phase`` with its value: a rank in another phase than the
+        coordinator's (the ranks are out of step) fails the phase on every rank with RankFailure
+        naming the ranks and their phases, and ``resolve`` is not called.
         """
         payload, local_exc = self._local_step(phase, local)
         if self.world_size == 1:
@@ -460,7 +463,9 @@ class Coordinator:
                 self._raise_local(phase, exc, describe_exception(exc), hint)
         state = self._state
         assert state is not None
-        data = json.dumps(payload, separators=(",", ":")).encode()
+        # Every rank sends its phase's name with its value (a few bytes), so that the
+        # coordinator can tell ranks that are out of step (see _out_of_step).
+        data = json.dumps({**payload, "phase": phase}, separators=(",", ":")).encode()
         outs = self._transport(phase, lambda group: _gather_slots(data, group, self.rank, self.world_size, SLOT), hint)
         decision: dict[str, Any] | None = None
         rest: list[torch.Tensor] | None = None
@@ -475,7 +480,10 @@ class Coordinator:
             assert outs is not None
             gathered = _decoded(outs, rest)
             failures = {r: res["error"] for r, res in enumerate(gathered) if not res["ok"]}
-            if failures:
+            stray = _out_of_step(phase, gathered)
+            if stray:  # the values answer different calls: never resolved, whatever else failed
+                decision = {"ok": False, "failures": _capped(stray)}
+            elif failures:
                 decision = {"ok": False, "failures": _capped(failures)}
             else:
                 try:
@@ -879,6 +887,22 @@ def _capped(failures: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         last = ranks[MAX_FAILURES]
         rest = len(ranks) - MAX_FAILURES
         out[str(last)] = {**failures[last], "message": f"(and {rest - 1} more ranks) " + str(failures[last].get("message", ""))}
+    return out
+
+
+OUT_OF_STEP = "the ranks' collectives are out of step (one rank skipped or repeated a call)"
+
+
+def _out_of_step(phase: str, gathered: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The ranks whose ``decide`` runs another phase than the coordinator's (``phase``), each
+    as the failure it is reported as (RankFailure: not an error a rank raised itself, so the
+    ranks, out of step, are not taken to be past a phase they agree on)."""
+    out = {}
+    for r, res in enumerate(gathered):
+        theirs = res.get("phase")
+        if theirs != phase:
+            message = f"rank {r} is in phase {theirs!r} while rank 0 is in {phase!r}: {OUT_OF_STEP}"
+            out[r] = {"type": RankFailure.__name__, "portable": None, "message": message, "traceback": ""}
     return out
 
 
