@@ -14,7 +14,8 @@ where it says so; each figure is the median of ``--repeat`` measurements (the lo
   moved away (so not a byte can be read from them), a fresh job restores the newest step;
 - ``restore from root (cold)``: no local data, root's files dropped from the page cache
   (fsync + POSIX_FADV_DONTNEED) first;
-- ``plain read from local_dir``: reading every file of the step from node 0's directory;
+- ``plain read from local_dir``: reading every file of the restored step from the node's own
+  directory (the same bytes the restore loaded; not the node's older local steps);
 - ``train loop``: ``--loop-steps`` steps of an MLP of the same size on each rank (forward,
   backward, SGD) with no checkpoint vs a local save at every step (the 2-core VM shares its
   cores between training and the background save: the overhead shows that competition).
@@ -159,7 +160,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
                     shutil.rmtree(local)
                 dist.barrier()
             restores.append(timed(lambda: got.append(mgr.restore(state))))
-            files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs if f.startswith("rank-")]
+            # the restored step's files only (the node keeps older local steps too)
+            files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs
+                     if f.startswith("rank-") and os.path.basename(dp) == f"step-{got[-1]:010d}"]
+            assert files, f"no files of step {got[-1]} under {local}"
             _drop_cache(local) if not args.local.startswith("/dev/shm") else None
             reads.append(timed(lambda files=files: [open(f, "rb").read() for f in files]))
         res["restore after node loss (local + peers)"] = median(restores)

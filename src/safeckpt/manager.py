@@ -209,6 +209,7 @@ class CheckpointManager:
         self._last_durable: int | None = None  # the newest step root holds (durable_every's schedule)
         self._marks: dict[str, Any] = {}  # root's quarantine marks (quarantine_entries), as the last pick read them
         self._placement_checked = False  # replicas vs the job's nodes: said once (first tier save)
+        self._speculate = False  # the next async save may agree in the background (SaveJob.agree)
         self._tier_nodes: list[str] | None = None  # every rank's node, from the run agreement
         self._run_pending: str | None = None  # a run id agreed without root: written at the first drain
 
@@ -427,7 +428,16 @@ class CheckpointManager:
                                  or step_from_name(name) not in (None, step)):
             raise ValueError(f"name {name!r}: not a plain directory name, or it holds another step than {step} "
                              "(safeckpt.format.step_names)")
-        self.wait()  # one save in flight; raises the previous background save's error
+        try:
+            self.wait()  # one save in flight; raises the previous background save's error
+        except BaseException:
+            self._speculate = False
+            raise
+        # Agree speculatively (SaveJob.agree) only after a save that went through on every rank:
+        # read after wait() (the previous save's background sets it), and off until this save's
+        # background succeeds, so a failure anywhere (raised here, or by this save on one rank)
+        # makes the next save agree in the blocking part, on every rank.
+        speculate, self._speculate = self._speculate, False
         if write_files is not None and self._saver is not None:
             raise CheckpointError(
                 "write_files needs a synchronous save to a filesystem: the files are written inside "
@@ -440,7 +450,7 @@ class CheckpointManager:
                 raise CheckpointError(
                     "named files (model.safetensors) need a filesystem root: they keep their names "
                     "inside the checkpoint, published by its rename (not on an object store)")
-            return self._save_tiered(step, state, metrics, metadata, extra_files or {}, named, name)
+            return self._save_tiered(step, state, metrics, metadata, extra_files or {}, named, name, speculate)
         path = join(self.root, name or self.dirname.format(step))
         request = SaveRequest(target=path, state=state, metadata=metadata, overwrite=True, step=step,
                               metrics=metrics, extra_files=extra_files or {}, write_files=write_files,
@@ -459,7 +469,7 @@ class CheckpointManager:
                     refuse_non_finite(coord, job, step, self.check_finite)
                 return job.finish()
         with paused_gc():  # one pause for all the blocking part: a collection in between cost ~2 ms
-            job.agree()
+            job.agree(speculate=speculate)
             job.snapshot(self._pool)
             if self.check_finite:  # on the staged bytes
                 refuse_non_finite(coord, job, step, self.check_finite)
@@ -467,14 +477,20 @@ class CheckpointManager:
         # on every rank, whatever other managers a rank made): two async managers in one process
         # (full state + best model) must not share one, or their threads interleave collectives.
         background = self._coord(f"async:{self.root}", what=f"background save of step {step} to {path}")
-        self._saver.submit(lambda: job.finish(background), f"step {step}")
+
+        def run() -> CheckpointInfo:
+            info = job.finish(background)
+            self._speculate = job.speculable
+            return info
+
+        self._saver.submit(run, f"step {step}")
         return None
 
 
     # ----------------------------------------------------------- node-local tier
     def _save_tiered(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, Any] | None,
                      metadata: Mapping[str, Any] | None, extra_files: Mapping[str, bytes],
-                     named: NamedLayout | None, name: str | None) -> None:
+                     named: NamedLayout | None, name: str | None, speculate: bool = False) -> None:
         """Agree and copy aside here (the only part that blocks), then in the background: the
         local tier's phases and, on a durable step, the drain to root (``engine.tier``). The
         one request (extra files and named layout included) serves both: a node's step is the
@@ -496,7 +512,7 @@ class CheckpointManager:
                               named=named)
         job = new_job(coord, request, store=NodeTierStorage(self.timeout))
         with paused_gc():
-            job.agree()
+            job.agree(speculate=speculate)
             job.snapshot(self._pool)
         # The step close() drains is the newest one whose background save succeeded (never one
         # that check_finite refused or whose save failed): set by run() below, not here.
@@ -511,6 +527,7 @@ class CheckpointManager:
                               keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect,
                               signalled=signalled, abandon_after=abandon)
             self._abandon_after = None
+            self._speculate = job.speculable  # agreed (in save_local's first exchange)
             last["local"] = not done.get("skipped")
             self._last = last
             if last["local"]:

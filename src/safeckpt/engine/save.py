@@ -170,6 +170,9 @@ class SaveJob:
         self.rank0_tree_hashes: dict[str, str] = {}  # rank 0's hash of each tree, when some rank's differ
         self.plan: SavePlan | None = None
         self.named_items: list[tuple[NamedPlan, list[tuple[str, torch.Tensor]]]] = []  # this rank's
+        self._pending: dict[str, Any] | None = None  # a speculative agreement's own part (see agree)
+        self._pending_layout: list[Any] | None = None
+        self._pending_error: Exception | None = None  # this rank's part of a speculative agree failed
 
     # ------------------------------------------------------------------ phases
     def run(self) -> CheckpointInfo:
@@ -179,20 +182,81 @@ class SaveJob:
             self.agree()
             return self.finish()
 
-    def agree(self) -> None:
-        """Phase 1 (all ranks): encode, check agreement; the coordinator stages."""
+    def agree(self, speculate: bool = False) -> None:
+        """Phase 1 (all ranks): encode, check agreement; the coordinator stages.
+
+        ``speculate`` (an async save whose previous save agreed without irregular shards, the
+        same on every rank; see ``CheckpointManager``): only this rank's part runs here (encode,
+        layout, replica digests: every local check), the snapshot is planned as if the ranks
+        agreed, and the exchange itself runs in the background (:meth:`confirm`) before anything
+        is written. A training loop saves the same layout every time, so the collective (and the
+        slowest rank's arrival) leaves the part that blocks training; a mismatch still fails the
+        save on every rank with nothing written, raised where a background save's error is."""
         with paused_gc():
-            decision = self.coord.decide("agree", self._agree, self._resolve_agree, hint="Nothing was written.")
-            if "ask" in decision:  # the ranks disagree: one more exchange to say exactly how
-                decision = self._explain(decision["ask"])
-            self.staging = decision["staging"]
-            self.irregular = decision["irregular"]
-            self.rank0_trees = decision["trees"]
-            self.rank0_tree_hashes = decision.get("tree_hashes", {})
+            if speculate:
+                try:
+                    self._pending = self._agree()
+                except Exception as exc:  # noqa: BLE001 - raised by the exchange, on every rank, as a plain agree does
+                    self._pending, self._pending_error = {}, exc
+                    return
+                self._pending_layout = self.layout  # for a description of a mismatch, after the plan
+                self.irregular = {}
+                return
+            self._adopt(self.coord.decide("agree", self._agree, self._resolve_agree, hint="Nothing was written."))
+
+    def confirm(self, coord: Coordinator | None = None) -> None:
+        """The exchange a speculative :meth:`agree` left for later (a no-op after a plain one):
+        every rank's path, step, layout and replica digests compared, the staging prepared.
+        Runs before any write, so a mismatch leaves nothing behind."""
+        if coord is not None:
+            self.coord = coord
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+
+        def resolve(agreed: list[dict[str, Any]]) -> dict[str, Any]:
+            changed = sorted(r for r, a in enumerate(agreed) if a["irregular"])
+            if changed:  # the snapshot was planned for none: it is not what these ranks hold
+                raise CheckpointError(
+                    f"save to {self.target}: ranks {changed} hold shards their DTensor placements do "
+                    "not describe, which the previous save did not have; this save copied its state "
+                    "planned without them, so nothing was written. The next save agrees on them "
+                    "before it copies.")
+            return self._resolve_agree(agreed)
+
+        error, self._pending_error = self._pending_error, None
+
+        def local() -> dict[str, Any]:
+            if error is not None:
+                raise error
+            return pending
+
+        self.layout = self._pending_layout  # what _explain's description of a mismatch reads
+        try:
+            self._adopt(self.coord.decide("agree", local, resolve, hint="Nothing was written."))
+        finally:
+            self.layout = self._pending_layout = None
+
+    def _adopt(self, decision: dict[str, Any]) -> None:
+        if "ask" in decision:  # the ranks disagree: one more exchange to say exactly how
+            decision = self._explain(decision["ask"])
+        self.staging = decision["staging"]
+        self.irregular = decision["irregular"]
+        self.rank0_trees = decision["trees"]
+        self.rank0_tree_hashes = decision.get("tree_hashes", {})
+
+    @property
+    def speculable(self) -> bool:
+        """Whether the next save of the same state may agree speculatively (see :meth:`agree`):
+        this one agreed on no irregular shards, and a mismatch of replicas raises (a "warn"
+        would have to be shown from the background)."""
+        return self.staging is not None and not self.irregular and self._replica_mode() != "warn"
 
     def snapshot(self, pool: SnapshotPool) -> None:
         """Copy this rank's write items aside (into reusable buffers from ``pool``), so the
         caller may change the live state while the rest of the save runs in the background."""
+        if self._pending_error is not None:  # nothing to copy: the exchange fails the save everywhere
+            return
         self._plan()
         items = self.items + [(f"@named/{nf.name}/{n}", t) for nf, its in self.named_items for n, t in its]
         srcs = [t for _, t in items]  # plain tensors: shards are local already
@@ -209,8 +273,7 @@ class SaveJob:
         """Phase 2: write (all ranks), then check, write the manifest and publish (coordinator).
         ``coord``: where this phase agrees, when not where the save began (an async save's
         background thread has a group of its own)."""
-        if coord is not None:
-            self.coord = coord
+        self.confirm(coord)
         self.copies.wait()  # an async save's device-to-host copies
         staging = self.staging
         try:
@@ -371,7 +434,7 @@ class SaveJob:
         full description, the coordinator names the differences (and, for replicas in "warn"
         mode, warns and stages after all)."""
         if what == "layout":
-            self.coord.decide("describe-layout", self._layout,
+            self.coord.decide("describe-layout", lambda: self.layout,
                               lambda layouts: _raise(self._mismatch(_layout_differences(layouts))),
                               hint="Nothing was written.")
             raise AssertionError("unreachable: describe-layout always raises")

@@ -74,12 +74,14 @@ ROOT = -1  # a fetch source: read the file from root
 def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas: int, check_finite: Any,
                keep_local: int | None, max_bytes: int | None, protect: set[int],
                signalled: bool = False, abandon_after: int | None = None) -> dict[str, Any]:
-    """Phases 1-3 of the module docstring for the agreed and snapshotted ``job``: each rank's
+    """Phases 1-3 of the module docstring for the snapshotted ``job`` (its agreement first, if
+    it was speculative): each rank's
     files (its data file and the named files it writes) on its node and their replicas; the
     coordinator's extra files on every node (sent with the manifest, checked against it).
     ``abandon_after``: the first save after a restore of that (older) step: the node's local
     steps newer than it belong to the abandoned history and are removed first (not the ones
     quarantined: their bytes are kept for inspection)."""
+    job.confirm(coord)  # a speculative agreement's exchange, before anything is written
     token = job.staging_token
     part = nd.partial(step, token)
 
