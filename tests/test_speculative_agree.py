@@ -159,3 +159,30 @@ def test_tier_speculative_agreement(tmp_path):
         assert not [n for n in names if n.startswith(".partial-")], names  # nothing half-written left
         assert not any(f"{s:010d}" in n for n in names for s in (1, 2, 5, 7, 9, 10)), names
         assert o.value["restored"] == 17 and o.value["restored_w"] == 17.0 and o.value["restored_opt"] == -17.0
+
+
+def _check_finite_job(rank: int, world: int, root: str) -> dict:
+    """check_finite on a plain async manager: its exchange stays in the blocking part, and a
+    speculative save whose own part failed on one rank still enters it (with nothing to check),
+    so the ranks stay in step and the real error comes from the background on both."""
+    import safeckpt
+
+    mgr = safeckpt.CheckpointManager(root, keep_last=None, async_save=True, check_finite=True,
+                                     preemption_signals=(), timeout=30)
+    res = {}
+    for step, meta in ((0, {}), (1, {"note": object()} if rank == 1 else {}), (2, {}), (3, {})):
+        saved = _outcome(lambda step=step, meta=meta: mgr.save(step, _state(step, rank), metadata=meta))
+        res[str(step)] = {"save": saved, "wait": _outcome(lambda: getattr(mgr.wait(), "step", None))}
+    mgr.close()
+    return res
+
+
+def test_check_finite_with_a_failed_speculative_part_keeps_ranks_in_step(tmp_path):
+    outs = dist_harness.run(_check_finite_job, 2, str(tmp_path / "root"), timeout=150)
+    for o in outs:
+        assert o.ok, (o.rank, o.error_type, o.message)
+        v = o.value
+        for step in (0, 2, 3):
+            assert v[str(step)] == {"save": {"ok": True, "value": None}, "wait": {"ok": True, "value": step}}, v
+        assert v["1"]["save"] == {"ok": True, "value": None}, v
+        assert not v["1"]["wait"]["ok"] and "metadata must be JSON" in v["1"]["wait"]["msg"], v

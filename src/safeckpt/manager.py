@@ -428,11 +428,7 @@ class CheckpointManager:
                                  or step_from_name(name) not in (None, step)):
             raise ValueError(f"name {name!r}: not a plain directory name, or it holds another step than {step} "
                              "(safeckpt.format.step_names)")
-        try:
-            self.wait()  # one save in flight; raises the previous background save's error
-        except BaseException:
-            self._speculate = False
-            raise
+        self.wait()  # one save in flight; raises the previous background save's error (and clears _speculate)
         # Agree speculatively (SaveJob.agree) only after a save that went through on every rank:
         # read after wait() (the previous save's background sets it), and off until this save's
         # background succeeds, so a failure anywhere (raised here, or by this save on one rank)
@@ -527,7 +523,6 @@ class CheckpointManager:
                               keep_local=self.keep_local, max_bytes=self.local_max_bytes, protect=protect,
                               signalled=signalled, abandon_after=abandon)
             self._abandon_after = None
-            self._speculate = job.speculable  # agreed (in save_local's first exchange)
             last["local"] = not done.get("skipped")
             self._last = last
             if last["local"]:
@@ -545,7 +540,12 @@ class CheckpointManager:
             last["durable"] = True
             return _TierResult(info, done["warnings"])
 
-        self._saver.submit(run, f"step {step}")
+        def run_then_allow() -> _TierResult:
+            result = run()
+            self._speculate = job.speculable  # every phase went through (a failure raised above)
+            return result
+
+        self._saver.submit(run_then_allow, f"step {step}")
         return None
 
     def _check_placement(self, coord: Coordinator) -> None:
@@ -941,7 +941,11 @@ class CheckpointManager:
         """Block until the pending background save is committed; raise its error if it failed."""
         if self._saver is None:
             return None
-        got = self._saver.wait()
+        try:
+            got = self._saver.wait()
+        except BaseException:
+            self._speculate = False  # the next save agrees in the blocking part (see save())
+            raise
         if isinstance(got, _TierResult):  # the local tier's notes, shown here on the caller's thread
             for note in got.warnings:
                 warnings.warn(note, SafeckptWarning, stacklevel=2)

@@ -640,6 +640,8 @@ class SaveJob:
         """Every tensor this rank writes in this save (after :meth:`snapshot`: the staged
         copies), named as the save names them: its data file's items by key, its named files'
         as ``@<file>:<name in file>`` (``@`` never starts a key)."""
+        if self._pending_error is not None:  # nothing planned: the exchange fails the save everywhere
+            return []
         self._plan()
         return self.items + [(f"@{nf.name}:{n}", t) for nf, its in self.named_items for n, t in its]
 
