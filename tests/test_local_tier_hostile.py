@@ -281,3 +281,38 @@ def test_hostile_records_are_ignored_without_blocking(tmp_path) -> None:
         with safeckpt.CheckpointManager(root, local_dir=local, preemption_signals=()) as m:
             st = _state(0)
             assert m.restore(st) == 1000 and st["v"] == 1
+
+
+def test_symlinked_run_and_step_directories_are_never_followed_when_adopting(tmp_path) -> None:
+    """The run identity's adoption (an upgrading run stamps its legacy steps' records; another
+    run's data is moved aside) never writes or reads through a symbolic link inside local_dir
+    (found by the tier fuzz: a legacy step directory replaced by a link to elsewhere had a
+    record written there): a linked step is skipped, a linked run directory is moved aside as
+    damaged, as a link, and what it points at is left as it was."""
+    from safeckpt.engine.local_tier import TIER_FILE, TIER_FORMAT, NodeDir
+
+    root, local, outside = tmp_path / "root", tmp_path / "local", tmp_path / "outside"
+    for d in (root, outside / "ck"):
+        d.mkdir(parents=True)
+    legacy = {"root": str(root), "step": 2, "own": [], "replicas": []}  # no run_id: written before ids
+    (outside / "ck" / TIER_FILE).write_text(json.dumps(legacy))
+    nd = NodeDir(str(local), str(root))
+    nd.ensure()  # the run directory, recorded without an id
+    os.symlink(outside / "ck", os.path.join(nd.base, "step-0000000002"))
+    before = sorted(os.listdir(outside / "ck"))
+    assert nd.adopt("run-a", legacy=True) is None
+    assert sorted(os.listdir(outside / "ck")) == before  # no record written through the link
+    assert json.loads((outside / "ck" / TIER_FILE).read_text()) == legacy
+    assert json.loads(open(os.path.join(nd.base, TIER_FILE)).read())["run_id"] == "run-a"
+
+    # the run directory itself a link (to a copy that even names this root): damaged, moved aside
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / TIER_FILE).write_text(json.dumps({"format": TIER_FORMAT, "root": str(root), "run_id": "run-a"}))
+    shutil.rmtree(nd.base)
+    os.symlink(other, nd.base)
+    rec = nd.recorded()
+    assert not rec["mine"] and rec["run"] is None and rec["data"], rec
+    aside = nd.adopt("run-a", legacy=False)
+    assert aside is not None and os.path.islink(aside) and not os.path.lexists(nd.base)
+    assert sorted(os.listdir(other)) == [TIER_FILE]  # the target untouched

@@ -63,6 +63,10 @@ FIRST_HOLDER = "first-holder"  # the first rank of a node other than the lacking
 
 # point -> (decide phase, when, victim, per save (occurrence 1..2) or once)
 TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
+    "tier/agree": ("agree", "entry", ANY, True),  # the first save's in the blocking part, then speculative
+    "tier/agree-after": ("agree", "after", ANY, True),
+    "tier/agree-resolve": ("agree", "resolve", R0, True),
+    "tier/agree-decided": ("agree", "decided", R0, True),
     "tier/local-write": ("local-write", "entry", ANY, True),
     "tier/local-write-mid-file": ("local-write", "inside", ANY, True),
     "tier/local-write-fsync": ("local-write", "inside", ANY, True),
@@ -106,6 +110,7 @@ TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
     "restore/tier-inventory-decided": ("tier-inventory", "decided", R0, False),
     "restore/tier-verify": ("tier-verify", "entry", ANY, False),
     "restore/tier-verify-read": ("tier-verify", "inside", HOLDER, False),
+    "restore/check-read": ("check", "inside", HOLDER, False),
     "restore/tier-verify-after": ("tier-verify", "after", ANY, False),
     "restore/tier-verify-resolve": ("tier-verify", "resolve", R0, False),
     "restore/tier-verify-decided": ("tier-verify", "decided", R0, False),
@@ -216,6 +221,8 @@ class TierKiller(Killer):
             self._patch_retention_delete()
         elif where == "tier-verify-read":
             self._patch_verified()
+        elif where == "check-read":
+            self._patch_load_check()
 
     @staticmethod
     def _under(path: Any, base: str) -> bool:
@@ -386,6 +393,27 @@ class TierKiller(Killer):
             return real(nd, *args, **kwargs)
 
         local_tier.NodeDir.verified = verified  # type: ignore[method-assign]
+        real_size = local_tier.NodeDir.has_size
+
+        def has_size(nd: Any, *args: Any, **kwargs: Any) -> bool:
+            if killer.armed:  # a copy the load checks as it reads it: examined by the verify
+                killer.die()
+            return real_size(nd, *args, **kwargs)
+
+        local_tier.NodeDir.has_size = has_size  # type: ignore[method-assign]
+
+    def _patch_load_check(self) -> None:
+        from safeckpt.engine import load as _load
+
+        killer = self
+        real = _load._LoadJob.check
+
+        def check(job: Any) -> None:
+            if killer.armed:  # the load's check reading a node's copy (the verify left it to it)
+                killer.die()
+            return real(job)
+
+        _load._LoadJob.check = check  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------- the job

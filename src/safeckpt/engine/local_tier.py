@@ -388,9 +388,18 @@ class NodeDir:
     def ours(self) -> bool:
         """The run directory exists and belongs to this root and run (a hash collision, a copied
         directory of another root, or an earlier run's data at this root path is never used)."""
-        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
+        rec = self._base_record()
         return (isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
                 and (self.run is None or rec.get("run_id") == self.run))
+
+    def _base_record(self) -> Any:
+        """The run directory's record; None when it is missing, damaged, or the run directory
+        is a symbolic link (it is made here, never a link: one leads anywhere, so its data is
+        treated as damaged and moved aside by :meth:`adopt`, the link itself, never followed).
+        ``local_dir`` itself may be a link (a RAM disk mounted elsewhere)."""
+        if os.path.islink(self.base):
+            return None
+        return read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
 
     # ------------------------------------------------------------------ run identity
     def recorded(self) -> dict[str, Any]:
@@ -398,11 +407,11 @@ class NodeDir:
         (None when none), whether its directory is this root's at all (``mine``: a tier.json of
         this root), holds data (``data``: anything besides tier.json), and exists."""
         present = os.path.lexists(self.base)
-        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
+        rec = self._base_record()
         mine = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") == self.root
         run = rec.get("run_id") if mine and isinstance(rec.get("run_id"), str) else None
         try:
-            data = any(n != TIER_FILE for n in os.listdir(self.base)) if present else False
+            data = present and (os.path.islink(self.base) or any(n != TIER_FILE for n in os.listdir(self.base)))
         except OSError:
             data = present
         other_root = isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root
@@ -432,7 +441,7 @@ class NodeDir:
         not adopted, or a directory whose record is damaged) is moved aside, never deleted
         (:meth:`move_aside`). Returns the path it was moved to, or None."""
         self.run = run
-        rec = read_record(os.path.join(self.base, TIER_FILE), 1 << 16)
+        rec = self._base_record()
         if not os.path.lexists(self.base):
             return None
         if isinstance(rec, dict) and rec.get("format") == TIER_FORMAT and rec.get("root") != self.root:
@@ -444,7 +453,7 @@ class NodeDir:
                 write_bytes_atomic(os.path.join(self.base, TIER_FILE), json.dumps(self._dir_record()).encode())
             return None
         try:
-            data = any(n != TIER_FILE for n in os.listdir(self.base))
+            data = os.path.islink(self.base) or any(n != TIER_FILE for n in os.listdir(self.base))
         except OSError:
             data = True
         if not data:  # nothing but a record: made this run's
@@ -453,6 +462,8 @@ class NodeDir:
             return None
         if mine and have is None and legacy:
             for name in self._step_names():  # an upgrading run's steps: this run's from now on
+                if os.path.islink(os.path.join(self.base, name)):
+                    continue  # never followed (a restore treats it as damaged)
                 path = os.path.join(self.base, name, TIER_FILE)
                 srec = read_record(path)
                 if isinstance(srec, dict) and "run_id" not in srec:
@@ -617,6 +628,15 @@ class NodeDir:
             return digest_file(self.file_path(step, name)).xxh3_128 == expected
         except (CheckpointError, OSError):
             return False
+
+    def has_size(self, step: int, name: str, size: int) -> bool:
+        """This node's copy of ``name`` is a regular file, reached without a symlink, of
+        ``size`` bytes (a cheap first look; its bytes are checked as they are read)."""
+        try:
+            st = os.stat(self.file_path(step, name), follow_symlinks=False)
+        except (OSError, CheckpointError):
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == size
 
     def repair_step(self, step: int, manifest: bytes) -> None:
         """Make this node's directory of ``step`` fit to receive fetched files (a restore):

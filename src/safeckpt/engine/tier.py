@@ -419,13 +419,19 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
                   *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
                   reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
-                  replicas: int = 1) -> bool | str:
+                  replicas: int = 1, thorough: bool = False) -> bool | str:
     """Assemble ``step`` on every node and load it. False (on every rank) when some file has
     no valid copy or the load found damage (the reason is appended); True when loaded.
     Healing is best effort: a node that cannot write a fetched file (ENOSPC, ...) warns, and
     the step is then loaded from root (``"root"`` returned: the caller does) when root holds
     it, else False (an older step). After the load each node applies ``keep_local`` and
-    ``max_bytes`` (a healed node may be over its budget)."""
+    ``max_bytes`` (a healed node may be over its budget).
+
+    The verify hashes a node's copy whole only where no load checks it: a file this rank's own
+    load reads is checked chunk by chunk as it is read (before anything is applied), so hashing
+    it first too would read it twice. If that check then fails, nothing was applied, and the
+    step is assembled again ``thorough``: every copy hashed whole, the damaged ones re-sourced
+    (one file, not the step)."""
     mhash, names, holders = holders_of(plan, step)
     nodes: list[str] = plan["nodes"]
     me = coord.rank
@@ -435,8 +441,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     in_root = step in plan["root"] and step not in plan["root_hidden"]
     man_source = next((nodes.index(n) for n in dict.fromkeys(nodes) if nd_holds(plan, n, step, mhash)), None)
 
+    url = tier_url(nd.key, step)
+    needed: list[Any] = []  # this rank's files_needed, when it planned with its own manifest
+
     def verify() -> dict[str, Any]:
-        out: dict[str, Any] = {"bad": []}
+        out: dict[str, Any] = {"bad": [], "trusted": 0}
         if my_rec is not None and my_rec["manifest"] != mhash:
             if pos == 0:  # another save of this step number: useless here, and in the way
                 import shutil
@@ -454,7 +463,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return out
         mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
         listed = step_files(man)
-        out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f]["xxh3_128"])]
+        checked_by_load: set[str] = set()  # files this rank's load reads: checked as it reads them
+        if not thorough:
+            needed.append(files_needed(url, man, state, strict=strict, rank=me, world_size=coord.world_size))
+            checked_by_load = needed[0] or set()
+        out["bad"] = [f for f in mine if f not in checked_by_load and not nd.verified(step, f, listed[f]["xxh3_128"])]
+        out["bad"] += [f for f in mine if f in checked_by_load and not nd.has_size(step, f, listed[f]["size"])]
+        out["trusted"] = sum(1 for f in mine if f in checked_by_load)
         if me == man_source:
             out["manifest"] = raw.decode()
         return out
@@ -463,7 +478,8 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         text = next((rep["manifest"] for rep in reports if "manifest" in rep), None)
         if text is None or file_xxh3(text.encode()) != mhash:
             return {"skip": f"step {step}: no node holds its manifest intact"}
-        return {"manifest": text, "bad": sorted({(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]})}
+        return {"manifest": text, "bad": sorted({(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]}),
+                "trusted": any(rep["trusted"] for rep in reports)}
 
     unchanged = "Nothing was loaded; the state is unchanged."
     d = coord.decide("tier-verify", verify, manifest_of, hint=unchanged)
@@ -473,14 +489,15 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     raw = d["manifest"].encode()
     man = json.loads(raw)
     bad_at = {(n, f) for n, f in d["bad"]}
-    url = tier_url(nd.key, step)
+    trusted = d["trusted"]  # some copy is left to the load's check (the same on every rank)
     data_files = set(man.get("files") or {})
 
     def needs() -> Any:
         """The data files this rank's load reads ("all" when every one, or unknown): a node
         fetches only what its ranks read (an FSDP rank at the same world size: its own file),
         so a restore's bytes per node do not grow with the world size."""
-        got = files_needed(url, man, state, strict=strict, rank=me, world_size=coord.world_size)
+        got = needed[0] if needed else files_needed(url, man, state, strict=strict, rank=me,
+                                                     world_size=coord.world_size)
         return "all" if got is None or data_files <= got else sorted(got)
 
     def fetch_plan(reports: list[Any]) -> dict[str, Any]:
@@ -602,10 +619,18 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         # the manifest does not prove its index's chunk checksums agree (a forged file would pass).
         load(url, state, strict=strict, timeout=timeout)
     except (CorruptCheckpoint, FileNotFoundError) as exc:
-        reasons.append(f"step {step} (local tier): {exc}")
-        return False
+        if not trusted:
+            reasons.append(f"step {step} (local tier): {exc}")
+            return False
+        retry = exc  # a copy left to the load's check failed it; nothing was applied
+    else:
+        retry = None
     finally:
         held_files.release(nd.step_dir(step))
+    if retry is not None:
+        return restore_local(coord, nd, plan, step, state, strict=strict, timeout=timeout, root_file=root_file,
+                             reasons=reasons, keep_local=keep_local, max_bytes=max_bytes, replicas=replicas,
+                             thorough=True)
     if pos == 0 and (keep_local is not None or max_bytes is not None):
         with contextlib.suppress(OSError):  # the healed node within its budget (never this step)
             nd.retain(keep_local, max_bytes, {step})
