@@ -418,15 +418,25 @@ class Coordinator:
         ``done_hint`` replaces it when the coordinator's own part of the phase completed (the
         commit: it published) though the phase failed; when a peer was lost and whether the
         coordinator completed is unknown, the message says so and gives both.
+        Every rank sends its ``phase`` with its value, as in :meth:`decide`: a rank in another
+        phase than rank 0's (the ranks are out of step) fails the phase on every rank with the
+        same RankFailure naming the ranks and their phases (each rank compares by itself: every
+        rank has every rank's phase), whatever else failed.
         """
         payload, local_exc = self._local_step(phase, fn)
         if self.world_size == 1:
             results = [payload]
         else:
-            results = self._exchange(phase, payload, hint, done_hint)
-        failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
-        if done_hint and results[0]["ok"]:
+            results = self._exchange(phase, {**payload, "phase": phase}, hint, done_hint)
+        # rank 0's phase, not this rank's: every rank then computes the same error
+        lead = results[0].get("phase", phase)
+        if done_hint and results[0]["ok"] and lead == phase:  # rank 0 completed this rank's phase
             hint = done_hint
+        stray = _out_of_step(lead, results) if self.world_size > 1 else {}
+        if stray:  # the values answer different calls: never returned, whatever else failed
+            named = {int(r): err for r, err in _capped(stray).items()}  # as decide names them
+            raise self._error(lead, named, hint) from local_exc
+        failures = {r: res["error"] for r, res in enumerate(results) if not res["ok"]}
         if failures and self.world_size == 1:
             assert local_exc is not None
             self._raise_local(phase, local_exc, failures[0], hint)
@@ -894,7 +904,7 @@ OUT_OF_STEP = "the ranks' collectives are out of step (one rank skipped or repea
 
 
 def _out_of_step(phase: str, gathered: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The ranks whose ``decide`` runs another phase than the coordinator's (``phase``), each
+    """The ranks whose ``decide`` or ``run`` is in another phase than the coordinator's (``phase``), each
     as the failure it is reported as (RankFailure: not an error a rank raised itself, so the
     ranks, out of step, are not taken to be past a phase they agree on)."""
     out = {}
