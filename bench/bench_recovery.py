@@ -12,6 +12,8 @@ where it says so; each figure is the median of ``--repeat`` measurements (the lo
   ``local save complete``: ``mgr.wait`` (file written, replicas sent, verified, published);
 - ``restore after node loss (local + peers)``: node N-1's directory wiped, root's checkpoints
   moved away (so not a byte can be read from them), a fresh job restores the newest step;
+- ``restore, no node lost (local only)``: the same restore with every node holding its copies
+  (a restart after a crash that lost no node): no transfer, no heal;
 - ``restore from root (cold)``: no local data, root's files dropped from the page cache
   (fsync + POSIX_FADV_DONTNEED) first;
 - ``plain read from local_dir``: reading every file of the restored step from the node's own
@@ -167,6 +169,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
             _drop_cache(local) if not args.local.startswith("/dev/shm") else None
             reads.append(timed(lambda files=files: [open(f, "rb").read() for f in files]))
         res["restore after node loss (local + peers)"] = median(restores)
+        # every node holding its copies again (healed): a restart after a crash that lost no node
+        res["restore, no node lost (local only)"] = median([timed(lambda: mgr.restore(state))
+                                                            for _ in range(args.repeat)])
         res["restored step"] = got[0]
         res["plain read from local_dir"] = median(reads)
         res["restore / plain read, median of pairs"] = median([a / b for a, b in zip(restores, reads, strict=True)])
@@ -245,6 +250,7 @@ def main() -> None:
         unit = "x" if "/" in k else " s"
         print(f"  {k:45s} {v:.3f}{unit}" if isinstance(v, float) else f"  {k:45s} {v}")
     r = res["restore / plain read, median of pairs"]
+    print(f"  restore, no node lost / plain read: {res['restore, no node lost (local only)'] / res['plain read from local_dir']:.2f}x")
     print(f"  restore (local + peers) / plain read: {r:.2f}x; local save blocked / plain copy: "
           f"{res['local save blocked'] / res['plain copy']:.2f}x; train loop overhead: "
           f"{100 * (res['train loop, local save every step'] / res['train loop, no checkpoint'] - 1):.0f}%")
