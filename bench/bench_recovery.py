@@ -12,6 +12,9 @@ where it says so; each figure is the median of ``--repeat`` measurements (the lo
   ``local save complete``: ``mgr.wait`` (file written, replicas sent, verified, published);
 - ``restore after node loss (local + peers)``: node N-1's directory wiped, root's checkpoints
   moved away (so not a byte can be read from them), a fresh job restores the newest step;
+- ``heal after the restore (background)``: a lost node of one rank loads the files it fetched
+  from the memory files it received them into and writes them to its ``local_dir`` after the
+  restore returns, on the manager's background worker (``mgr.wait()`` joins it; timed here);
 - ``restore, no node lost (local only)``: the same restore with every node holding its copies
   (a restart after a crash that lost no node): no transfer, no heal;
 - ``restore from root (cold)``: no local data, root's files dropped from the page cache
@@ -155,13 +158,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
         got: list = []
-        restores, reads = [], []
+        restores, reads, heals = [], [], []
         for i in range(args.repeat):
             if i:  # the last node is lost again (what the restore healed is wiped)
                 if rank == world - 1:
                     shutil.rmtree(local)
                 dist.barrier()
             restores.append(timed(lambda: got.append(mgr.restore(state))))
+            heals.append(timed(mgr.wait))  # the lost node writes what it loaded from memory
             # the restored step's files only (the node keeps older local steps too)
             files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs
                      if f.startswith("rank-") and os.path.basename(dp) == f"step-{got[-1]:010d}"]
@@ -169,6 +173,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
             _drop_cache(local) if not args.local.startswith("/dev/shm") else None
             reads.append(timed(lambda files=files: [open(f, "rb").read() for f in files]))
         res["restore after node loss (local + peers)"] = median(restores)
+        res["heal after the restore (background)"] = median(heals)
         # every node holding its copies again (healed): a restart after a crash that lost no node
         res["restore, no node lost (local only)"] = median([timed(lambda: mgr.restore(state))
                                                             for _ in range(args.repeat)])

@@ -196,9 +196,10 @@ def test_durable_every_drains_a_schedule_that_never_hits_a_multiple(tmp_path):
 
 
 def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
-    """A node whose disk is full cannot keep the files it fetches: a warning, and the step (in
-    root) is restored from root, never a RankFailure. With local_max_bytes, a node healed after
-    losing its directory keeps only what a save places there (its file and the replica it
+    """A node whose disk is full cannot keep the files it fetches: the step is restored (node 1,
+    of one rank, loads them from the memory files it received them into) and the heal, after
+    the restore, warns on that node, never a RankFailure. With local_max_bytes, a node healed
+    after losing its directory keeps only what a save places there (its file and the replica it
     receives), within the budget; the other nodes still hold every file."""
     import shutil
 
@@ -207,9 +208,12 @@ def test_healing_is_best_effort_and_a_restore_keeps_the_budget(tmp_path):
     _run([("save", 10), ("close", False)], tmp_path / "a")
     shutil.rmtree(tmp_path / "a" / "nodes" / "node1")
     outs = _run([("enospc", 1), ("restore", 10), ("close", False)], tmp_path / "a")
-    for out in outs:
-        assert out[1][1] == [10, True] and out[1][2] is None, out
-        assert any("could not keep" in w for w in out[1][3]), out
+    for rank, out in enumerate(outs):
+        assert out[1][1] == [10, True] and out[1][2] is None and out[2][2] is None, out
+        healed = [w for w in out[2][3] if "could not keep" in w and "not healed" in w]  # close joins the heal
+        assert len(healed) == (rank == 1), out
+    assert not [n for n in os.listdir(tmp_path / "a" / "nodes" / "node1" / os.listdir(tmp_path / "a" / "nodes" / "node1")[0]
+                                      / "step-0000000010") if n.startswith("rank-")]  # nothing half-kept
 
     _run([("save", 10), ("save", 11), ("close", False)], tmp_path / "b", world=3, keep_local=1)
     nodes = tmp_path / "b" / "nodes"
@@ -231,9 +235,10 @@ def test_a_full_disk_on_heal_loads_a_local_only_step_from_memory(tmp_path):
     _run([("save", 10), ("save", 11), ("close", False)], tmp_path)
     shutil.rmtree(tmp_path / "nodes" / "node1")
     outs = _run([("enospc", 1), ("restore", 11), ("close", False)], tmp_path)
-    for out in outs:
-        assert out[1][1] == [11, True] and out[1][2] is None, out
-        assert any("could not keep" in w and "from memory" in w for w in out[1][3]), out
+    for rank, out in enumerate(outs):
+        assert out[1][1] == [11, True] and out[1][2] is None and out[2][2] is None, out
+        healed = [w for w in out[2][3] if "could not keep" in w and "not healed" in w]  # close joins the heal
+        assert len(healed) == (rank == 1), out
     assert not (tmp_path / "root" / "step-0000000011").exists()
     from safeckpt.engine import held_files
 

@@ -51,6 +51,23 @@ def _job(rank, world, root, nodes_dir, plan, kw, per_node):
                         tier.write_bytes_atomic = nospace
                 elif op[0] == "disk-ok":
                     tier.write_bytes_atomic = plain_write
+                elif op[0] == "gate":  # node op[1]'s writes wait until "open-gate"
+                    if node == op[1]:
+                        import threading
+                        gate = threading.Event()
+
+                        def gated(*a, _gate=gate, **k):
+                            assert _gate.wait(60), "gate never opened"
+                            return plain_write(*a, **k)
+                        tier.write_bytes_atomic = gated
+                elif op[0] == "open-gate":
+                    if node == op[1]:
+                        gate.set()
+                elif op[0] == "files":  # this node's data files of step op[1] on disk now
+                    d = mgr._tier.step_dir(op[1])
+                    got = sorted(n for n in os.listdir(d) if n.startswith("rank-")) if os.path.isdir(d) else None
+                elif op[0] == "wait":
+                    mgr.wait()
                 elif op[0] == "zeros-from":  # node op[1] sends zeros for file op[2] (gone meanwhile)
                     if node == op[1]:
                         def zeros(path, size, _name=op[2]):
@@ -139,13 +156,38 @@ def test_held_files_are_released_when_the_restore_falls_back(tmp_path):
 
 def test_a_single_rank_node_with_a_full_disk_loads_from_memory(tmp_path):
     """Node 1 (one rank) lost step 11 (local only) and its disk is full: the fetched files,
-    verified on arrival, are loaded from memory: step 11, not 10."""
+    received into memory files and verified on arrival, are loaded from there: step 11, not
+    10; the heal after the restore (joined by close) cannot keep them and says so on node 1."""
     import shutil
 
     _run([("save", 10), ("save", 11), ("close", False)], tmp_path)
     shutil.rmtree(tmp_path / "nodes" / "node1")
     outs = _run([("enospc", 1), ("restore", 11, 0.0), ("held",), ("close", False)], tmp_path)
-    for out in outs:
+    for rank, out in enumerate(outs):
         assert out[1][1] == [11, True, True] and out[1][2] is None, out[1]
-        assert any("from memory" in w for w in out[1][3]), out[1][3]
         assert out[2][1] == [], out[2]
+        assert out[3][2] is None and len([w for w in out[3][3] if "could not keep" in w]) == (rank == 1), out[3]
+
+
+def test_a_lost_single_rank_node_returns_before_its_heal(tmp_path):
+    """Node 1 (one rank) lost step 11 (local only): its restore loads the fetched files from the
+    memory files it received them into and returns while the heal (writing them to its disk)
+    is still held back; mgr.wait() joins the heal, after which node 1 holds every file of the
+    step again, identical to node 0's."""
+    import shutil
+
+    _run([("save", 10), ("save", 11), ("close", False)], tmp_path)
+    shutil.rmtree(tmp_path / "nodes" / "node1")
+    outs = _run([("gate", 1), ("restore", 11, 0.0), ("files", 11), ("held",), ("open-gate", 1), ("wait",),
+                 ("files", 11), ("close", False)], tmp_path)
+    for out in outs:
+        assert [o[2] for o in out] == [None] * 8, out
+        assert out[1][1] == [11, True, True], out[1]  # restored, bit-exact, heal not done yet
+        assert out[3][1] == [], out[3]  # nothing left in the registry after the load
+    both = ["rank-00000.safetensors", "rank-00001.safetensors"]
+    assert outs[1][2][1] in (None, []), outs[1][2]  # node 1: not on disk when restore returned
+    assert outs[1][6][1] == both and outs[0][6][1] == both, (outs[0][6], outs[1][6])
+    runs = [os.path.join(tmp_path, "nodes", f"node{n}") for n in (0, 1)]
+    dirs = [os.path.join(r, os.listdir(r)[0], "step-0000000011") for r in runs]
+    for name in both:
+        assert open(os.path.join(dirs[0], name), "rb").read() == open(os.path.join(dirs[1], name), "rb").read()

@@ -16,7 +16,7 @@ import os
 import signal
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, NamedTuple
 
 from .coord.dist import Coordinator, resolve_timeout
@@ -210,6 +210,7 @@ class CheckpointManager:
         self._marks: dict[str, Any] = {}  # root's quarantine marks (quarantine_entries), as the last pick read them
         self._placement_checked = False  # replicas vs the job's nodes: said once (first tier save)
         self._speculate = False  # the next async save may agree in the background (SaveJob.agree)
+        self._heal_pending = False  # a restore's heal is the background job (restored_path waits for it)
         self._tier_nodes: list[str] | None = None  # every rank's node, from the run agreement
         self._run_pending: str | None = None  # a run id agreed without root: written at the first drain
 
@@ -325,7 +326,10 @@ class CheckpointManager:
         ``safeckpt-tier://`` location that each process reads from its own node's complete,
         verified copy of the step (valid in this process). Frameworks that load in two steps
         (the model now, the optimizers after setup) load the second from here. None before a
-        restore, or when it found nothing."""
+        restore, or when it found nothing. Waits for the node's heal after a restore from the
+        local tier (a node that lost the step writes what it fetched after the restore returns)."""
+        if self._heal_pending:
+            self.wait()  # the heal never raises
         return self._restored_at[1] if self._restored_at is not None else None
 
     def restored_files(self) -> dict[str, bytes]:
@@ -338,6 +342,8 @@ class CheckpointManager:
             return {}
         import xxhash
 
+        if self._heal_pending:
+            self.wait()  # the node's heal after a restore from the local tier (never raises)
         store, path = self._restored_at
         man = store.read_manifest(path)
         out: dict[str, bytes] = {}
@@ -697,7 +703,7 @@ class CheckpointManager:
             root_file = self._root_file(plan["root_paths"][str(cand)]) if cand in plan["root"] else None
             got = restore_local(coord, tier, plan, cand, state, strict=strict, timeout=self.timeout,
                                 root_file=root_file, reasons=reasons, keep_local=self.keep_local,
-                                max_bytes=self.local_max_bytes, replicas=self.replicas)
+                                max_bytes=self.local_max_bytes, replicas=self.replicas, defer=self._heal_later)
             if got == "root":  # a node could not keep its healed copies: the step from root
                 try:
                     got = self._restore_root(state, cand, strict, skip=quarantined)
@@ -722,6 +728,14 @@ class CheckpointManager:
         if step is not None:
             raise CheckpointNotFound(f"no copy of step {step} on any tier of {self.root}", path=self.root)
         return None
+
+    def _heal_later(self, heal: Callable[[], list[str]]) -> None:
+        """A restore's heal (the files a node of one rank loaded from memory, written to its
+        disk) on the background worker: the next save, wait, restore or close joins it and
+        shows its warnings; it never fails (a node that cannot keep them warns)."""
+        assert self._saver is not None
+        self._saver.submit(lambda: _TierResult(None, heal()), "heal of the node-local tier after the restore")
+        self._heal_pending = True
 
     def quarantine(self, step: int, reason: str) -> None:
         """Mark ``step`` bad on every tier (collective): no restore picks it again. The marks live
@@ -941,6 +955,7 @@ class CheckpointManager:
         """Block until the pending background save is committed; raise its error if it failed."""
         if self._saver is None:
             return None
+        self._heal_pending = False
         try:
             got = self._saver.wait()
         except BaseException:

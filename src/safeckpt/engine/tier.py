@@ -419,7 +419,8 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
                   *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
                   reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
-                  replicas: int = 1, thorough: bool = False) -> bool | str:
+                  replicas: int = 1, thorough: bool = False,
+                  defer: Callable[[Callable[[], list[str]]], None] | None = None) -> bool | str:
     """Assemble ``step`` on every node and load it. False (on every rank) when some file has
     no valid copy or the load found damage (the reason is appended); True when loaded.
     Healing is best effort: a node that cannot write a fetched file (ENOSPC, ...) warns, and
@@ -431,7 +432,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     load reads is checked chunk by chunk as it is read (before anything is applied), so hashing
     it first too would read it twice. If that check then fails, nothing was applied, and the
     step is assembled again ``thorough``: every copy hashed whole, the damaged ones re-sourced
-    (one file, not the step)."""
+    (one file, not the step).
+
+    ``defer(heal)``: where the files a node of one rank loaded from memory are written to its
+    disk after the restore returns (the manager's background worker: the next save, wait,
+    restore or close joins it); without it, before returning."""
     mhash, names, holders = holders_of(plan, step)
     nodes: list[str] = plan["nodes"]
     me = coord.rank
@@ -542,6 +547,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     rounds = max((len(e[2]) for e in entries), default=0)
     unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
     from_memory = True  # and every such file is held in memory for the load (see held_files)
+    # A node of one rank receives into memory files the load reads; the node keeps them after
+    # the load (the heal), off the restore's critical path (``defer``).
+    receives_held = len(members) == 1
+    to_heal: list[tuple[str, Any]] = []  # (name, held_files.Received), verified, not on disk yet
+    loaded = False
     try:  # whatever is held in memory is released on every way out (see held_files)
         for k in range(rounds):
             todo = [i for i, e in enumerate(entries) if not done[i] and k < len(e[2])]
@@ -550,6 +560,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
 
             def fetch(todo: list[int] = todo, k: int = k) -> dict[str, Any]:
                 sends, recvs, got, failed, unhealed = [], [], [], [], []
+                received: dict[int, Any] = {}  # entry -> its held_files.Received
                 in_memory = True  # every file this rank could not keep is held in memory for the load
                 for i in todo:
                     dest, f, srcs = entries[i]
@@ -561,7 +572,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                             data = torch.zeros(expected[f][0], dtype=torch.uint8)
                         sends.append((dest, i, as_tensor(data)))
                     if dest == me and src != ROOT:
-                        recvs.append((src, i, torch.empty(expected[f][0], dtype=torch.uint8)))
+                        held = held_files.receive_buffer(expected[f][0]) if receives_held else None
+                        if held is not None:
+                            received[i] = held
+                        recvs.append((src, i, held.tensor if held is not None
+                                      else torch.empty(expected[f][0], dtype=torch.uint8)))
                 send_recv(coord, sends, recvs)
                 arrived: list[tuple[int, Any]] = [(tag, buf.numpy()) for _, tag, buf in recvs]
                 for i in todo:
@@ -572,11 +587,20 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                             arrived.append((i, root_file(expected[f][1])))
                         except Exception as exc:  # noqa: BLE001 - the root copy is just one more source
                             failed.append([i, f"root: {type(exc).__name__}: {exc}"])
+                del recvs
                 for i, data in arrived:
                     f = entries[i][1]
                     if data is None or len(data) != expected[f][0] or file_xxh3(data) != expected[f][1]:
                         failed.append([i, f"{f} from {'root' if entries[i][2][k] == ROOT else f'rank {entries[i][2][k]}'} "
                                           "failed verification"])
+                        continue
+                    if i in received:  # loaded from memory, kept on disk after the load
+                        held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
+                        held = received.pop(i)
+                        held.tensor = None
+                        held_files.hold(nd.file_path(step, f), held)
+                        to_heal.append((f, held))
+                        got.append(i)
                         continue
                     try:
                         _keep(nd, step, f, data, raw, repaired)
@@ -590,6 +614,9 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                             held_files.hold(nd.file_path(step, f), data) and \
                             held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
                     got.append(i)
+                del arrived
+                for held in received.values():  # failed verification: not used
+                    held.close()
                 return {"got": got, "failed": failed, "unhealed": unhealed, "in_memory": in_memory}
 
             res = coord.decide("tier-fetch", fetch, lambda reps: reps, hint=unchanged)
@@ -618,6 +645,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         # Every chunk is verified again as the load reads it: a file's whole-file checksum matching
         # the manifest does not prove its index's chunk checksums agree (a forged file would pass).
         load(url, state, strict=strict, timeout=timeout)
+        loaded = True
     except (CorruptCheckpoint, FileNotFoundError) as exc:
         if not trusted:
             reasons.append(f"step {step} (local tier): {exc}")
@@ -627,15 +655,42 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         retry = None
     finally:
         held_files.release(nd.step_dir(step))
+        if not loaded:  # fetched again by whatever comes next
+            for _, held in to_heal:
+                held.close()
     if retry is not None:
         return restore_local(coord, nd, plan, step, state, strict=strict, timeout=timeout, root_file=root_file,
                              reasons=reasons, keep_local=keep_local, max_bytes=max_bytes, replicas=replicas,
-                             thorough=True)
-    if pos == 0 and (keep_local is not None or max_bytes is not None):
-        with contextlib.suppress(OSError):  # the healed node within its budget (never this step)
-            nd.retain(keep_local, max_bytes, {step})
-            if max_bytes is not None and nd.nbytes() > max_bytes:
-                _trim(nd, step, man, nodes, members, replicas)
+                             thorough=True, defer=defer)
+
+    def heal() -> list[str]:
+        """The node keeps what it loaded from memory, then applies its budget: warnings."""
+        notes = []
+        try:
+            for f, held in to_heal:
+                try:
+                    _keep(nd, step, f, held.view(), raw, repaired)
+                except OSError as exc:  # healing is best effort: the step was loaded
+                    notes.append(f"restore of step {step}: {nd.node} could not keep the copy of {f} it fetched "
+                                 f"({type(exc).__name__}: {exc}); its node-local tier is not healed")
+                    with contextlib.suppress(OSError, CheckpointError):
+                        os.unlink(nd.file_path(step, f))
+                    break
+        finally:
+            for _, held in to_heal:
+                held.close()
+        if pos == 0 and (keep_local is not None or max_bytes is not None):
+            with contextlib.suppress(OSError):  # the healed node within its budget (never this step)
+                nd.retain(keep_local, max_bytes, {step})
+                if max_bytes is not None and nd.nbytes() > max_bytes:
+                    _trim(nd, step, man, nodes, members, replicas)
+        return notes
+
+    if to_heal and defer is not None:
+        defer(heal)
+    else:
+        for note in heal():
+            warn(note)
     return True
 
 
