@@ -203,6 +203,8 @@ class TierKiller(Killer):
             self._patch_isend()
         elif where in ("replicate-keep-rename", "tier-fetch-keep-rename"):
             self._patch_replace(lambda dst: self._under(dst, self.local) and os.path.basename(dst).startswith("rank-"))
+            if where == "tier-fetch-keep-rename":
+                self._arm_heal()  # a node of one rank keeps what it fetched after the restore
         elif where == "publish-manifest-rename":
             self._patch_replace(lambda dst: self._under(dst, self.local) and os.path.basename(dst) == "manifest.json")
         elif where == "publish-mid-replace":  # the old step moved aside, the new one not in place
@@ -355,6 +357,25 @@ class TierKiller(Killer):
             real(src, dst, *a, **k)
 
         os.replace = replace
+
+    def _arm_heal(self) -> None:
+        """Armed during a restore's deferred heal too (``CheckpointManager._heal_later``: a node
+        of one rank writes the files it fetched on its background worker after the restore)."""
+        from safeckpt import manager as _manager
+
+        killer = self
+        real = _manager.CheckpointManager._heal_later
+
+        def heal_later(mgr: Any, heal: Any) -> None:
+            def armed_heal() -> Any:
+                killer.armed = True
+                try:
+                    return heal()
+                finally:
+                    killer.armed = False
+            return real(mgr, armed_heal)
+
+        _manager.CheckpointManager._heal_later = heal_later  # type: ignore[method-assign]
 
     def _patch_rename(self, match: Any, after: bool) -> None:
         killer = self
