@@ -110,7 +110,7 @@ TIER_POINTS: dict[str, tuple[str, str, str, bool]] = {
     "restore/tier-inventory-decided": ("tier-inventory", "decided", R0, False),
     "restore/tier-verify": ("tier-verify", "entry", ANY, False),
     "restore/tier-verify-read": ("tier-verify", "inside", HOLDER, False),
-    "restore/check-read": ("check", "inside", HOLDER, False),
+    "restore/check-read": ("check", "inside", HOLDER, False),  # the load's check of a node's copy
     "restore/tier-verify-after": ("tier-verify", "after", ANY, False),
     "restore/tier-verify-resolve": ("tier-verify", "resolve", R0, False),
     "restore/tier-verify-decided": ("tier-verify", "decided", R0, False),
@@ -414,14 +414,6 @@ class TierKiller(Killer):
             return real(nd, *args, **kwargs)
 
         local_tier.NodeDir.verified = verified  # type: ignore[method-assign]
-        real_size = local_tier.NodeDir.has_size
-
-        def has_size(nd: Any, *args: Any, **kwargs: Any) -> bool:
-            if killer.armed:  # a copy the load checks as it reads it: examined by the verify
-                killer.die()
-            return real_size(nd, *args, **kwargs)
-
-        local_tier.NodeDir.has_size = has_size  # type: ignore[method-assign]
 
     def _patch_load_check(self) -> None:
         from safeckpt.engine import load as _load
@@ -430,7 +422,7 @@ class TierKiller(Killer):
         real = _load._LoadJob.check
 
         def check(job: Any) -> None:
-            if killer.armed:  # the load's check reading a node's copy (the verify left it to it)
+            if killer.armed:  # the load's check reading a node's copy of the step
                 killer.die()
             return real(job)
 

@@ -629,15 +629,6 @@ class NodeDir:
         except (CheckpointError, OSError):
             return False
 
-    def has_size(self, step: int, name: str, size: int) -> bool:
-        """This node's copy of ``name`` is a regular file, reached without a symlink, of
-        ``size`` bytes (a cheap first look; its bytes are checked as they are read)."""
-        try:
-            st = os.stat(self.file_path(step, name), follow_symlinks=False)
-        except (OSError, CheckpointError):
-            return False
-        return stat.S_ISREG(st.st_mode) and st.st_size == size
-
     def repair_step(self, step: int, manifest: bytes) -> None:
         """Make this node's directory of ``step`` fit to receive fetched files (a restore):
         whatever is there that is not a real directory (a symlink, a file) is removed, never

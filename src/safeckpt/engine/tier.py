@@ -419,7 +419,7 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
                   *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
                   reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
-                  replicas: int = 1, thorough: bool = False,
+                  replicas: int = 1,
                   defer: Callable[[Callable[[], list[str]]], None] | None = None) -> bool | str:
     """Assemble ``step`` on every node and load it. False (on every rank) when some file has
     no valid copy or the load found damage (the reason is appended); True when loaded.
@@ -428,11 +428,11 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     it, else False (an older step). After the load each node applies ``keep_local`` and
     ``max_bytes`` (a healed node may be over its budget).
 
-    The verify hashes a node's copy whole only where no load checks it: a file this rank's own
-    load reads is checked chunk by chunk as it is read (before anything is applied), so hashing
-    it first too would read it twice. If that check then fails, nothing was applied, and the
-    step is assembled again ``thorough``: every copy hashed whole, the damaged ones re-sourced
-    (one file, not the step).
+    Every copy is hashed whole before the load, though the load checks the chunks it reads
+    again: a load may read a file in part (another rank's per-rank entries, a partial or
+    resharding load), and damage in the rest, never checked, would be redundancy silently lost
+    (a later restore would find no good copy). Tried and reverted: leaving the copies a rank's
+    load reads to its chunk check (found by review: a partial read left the rest unchecked).
 
     ``defer(heal)``: where the files a node of one rank loaded from memory are written to its
     disk after the restore returns (the manager's background worker: the next save, wait,
@@ -447,10 +447,10 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     man_source = next((nodes.index(n) for n in dict.fromkeys(nodes) if nd_holds(plan, n, step, mhash)), None)
 
     url = tier_url(nd.key, step)
-    needed: list[Any] = []  # this rank's files_needed, when it planned with its own manifest
+    needed: list[Any] = []  # this rank's files_needed (None: unknown), once planned
 
     def verify() -> dict[str, Any]:
-        out: dict[str, Any] = {"bad": [], "trusted": 0}
+        out: dict[str, Any] = {"bad": []}
         if my_rec is not None and my_rec["manifest"] != mhash:
             if pos == 0:  # another save of this step number: useless here, and in the way
                 import shutil
@@ -468,13 +468,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return out
         mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
         listed = step_files(man)
-        checked_by_load: set[str] = set()  # files this rank's load reads: checked as it reads them
-        if not thorough:
-            needed.append(files_needed(url, man, state, strict=strict, rank=me, world_size=coord.world_size))
-            checked_by_load = needed[0] or set()
-        out["bad"] = [f for f in mine if f not in checked_by_load and not nd.verified(step, f, listed[f]["xxh3_128"])]
-        out["bad"] += [f for f in mine if f in checked_by_load and not nd.has_size(step, f, listed[f]["size"])]
-        out["trusted"] = sum(1 for f in mine if f in checked_by_load)
+        out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f]["xxh3_128"])]
         if me == man_source:
             out["manifest"] = raw.decode()
         return out
@@ -483,8 +477,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         text = next((rep["manifest"] for rep in reports if "manifest" in rep), None)
         if text is None or file_xxh3(text.encode()) != mhash:
             return {"skip": f"step {step}: no node holds its manifest intact"}
-        return {"manifest": text, "bad": sorted({(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]}),
-                "trusted": any(rep["trusted"] for rep in reports)}
+        return {"manifest": text, "bad": sorted({(nodes[r], f) for r, rep in enumerate(reports) for f in rep["bad"]})}
 
     unchanged = "Nothing was loaded; the state is unchanged."
     d = coord.decide("tier-verify", verify, manifest_of, hint=unchanged)
@@ -494,15 +487,14 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     raw = d["manifest"].encode()
     man = json.loads(raw)
     bad_at = {(n, f) for n, f in d["bad"]}
-    trusted = d["trusted"]  # some copy is left to the load's check (the same on every rank)
     data_files = set(man.get("files") or {})
 
     def needs() -> Any:
         """The data files this rank's load reads ("all" when every one, or unknown): a node
         fetches only what its ranks read (an FSDP rank at the same world size: its own file),
         so a restore's bytes per node do not grow with the world size."""
-        got = needed[0] if needed else files_needed(url, man, state, strict=strict, rank=me,
-                                                     world_size=coord.world_size)
+        got = files_needed(url, man, state, strict=strict, rank=me, world_size=coord.world_size)
+        needed.append(got)
         return "all" if got is None or data_files <= got else sorted(got)
 
     def fetch_plan(reports: list[Any]) -> dict[str, Any]:
@@ -549,7 +541,9 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     from_memory = True  # and every such file is held in memory for the load (see held_files)
     # A node of one rank receives into memory files the load reads; the node keeps them after
     # the load (the heal), off the restore's critical path (``defer``).
-    receives_held = len(members) == 1
+    # only the files this rank's load reads (a replica it keeps for the others, an extra file:
+    # written as they arrive), so what it holds is at most what it loads; unknown: none
+    loads_here = set(needed[0] or ()) if len(members) == 1 else set()
     to_heal: list[tuple[str, Any]] = []  # (name, held_files.Received), verified, not on disk yet
     loaded = False
     try:  # whatever is held in memory is released on every way out (see held_files)
@@ -572,7 +566,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                             data = torch.zeros(expected[f][0], dtype=torch.uint8)
                         sends.append((dest, i, as_tensor(data)))
                     if dest == me and src != ROOT:
-                        held = held_files.receive_buffer(expected[f][0]) if receives_held else None
+                        held = held_files.receive_buffer(expected[f][0]) if f in loads_here else None
                         if held is not None:
                             received[i] = held
                         recvs.append((src, i, held.tensor if held is not None
@@ -647,21 +641,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         load(url, state, strict=strict, timeout=timeout)
         loaded = True
     except (CorruptCheckpoint, FileNotFoundError) as exc:
-        if not trusted:
-            reasons.append(f"step {step} (local tier): {exc}")
-            return False
-        retry = exc  # a copy left to the load's check failed it; nothing was applied
-    else:
-        retry = None
+        reasons.append(f"step {step} (local tier): {exc}")
+        return False
     finally:
         held_files.release(nd.step_dir(step))
         if not loaded:  # fetched again by whatever comes next
             for _, held in to_heal:
                 held.close()
-    if retry is not None:
-        return restore_local(coord, nd, plan, step, state, strict=strict, timeout=timeout, root_file=root_file,
-                             reasons=reasons, keep_local=keep_local, max_bytes=max_bytes, replicas=replicas,
-                             thorough=True, defer=defer)
 
     def heal() -> list[str]:
         """The node keeps what it loaded from memory, then applies its budget: warnings."""
