@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -484,7 +485,9 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
         _note(trial_dir, rank, "durable", start + count)
         out["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        out.update(t_err=time.time(), type=type(exc).__name__,
+        import traceback
+
+        out.update(t_err=time.time(), type=type(exc).__name__, tb="".join(traceback.format_exception(exc))[-6000:],
                    mro=[c.__name__ for c in type(exc).__mro__], msg=str(exc)[:4000],
                    failures={str(k): v for k, v in (getattr(exc, "failures", None) or {}).items()})
     kill_inject._write_json(os.path.join(trial_dir, f"out-{job}-{rank}.json"), out)
@@ -647,6 +650,10 @@ def run_trial(ctx: Any, spec: dict[str, Any], seeds: dict[tuple[int, int], str],
         restart = run_job(ctx, "restart", spec, root, trial_dir, slack, target=worker)
         outs = restart["outs"]
         bad = [f"rank {r}: {o.get('type')}: {o.get('msg', '')[:400]}" for r, o in sorted(outs.items()) if not o["ok"]]
+        if bad and os.environ.get("KILL_TIER_TRACEBACKS"):  # where a restart failed, in full
+            for r, o in sorted(outs.items()):
+                if not o["ok"]:
+                    print(f"--- restart rank {r} traceback:\n{o.get('tb', '')}", file=sys.stderr, flush=True)
         bad += [f"rank {r}: restored step {o.get('restored')}, the newest complete on some tier is {newest}"
                 for r, o in sorted(outs.items()) if o.get("restored") != newest and "restored" in o]
         bad += [f"rank {r}: restored values differ: {o['restore_mismatch']}"
