@@ -27,7 +27,9 @@ class CheckpointError(Exception):
 
 
 class RankFailure(CheckpointError):
-    """One or more ranks failed (raised an exception, died, or never arrived).
+    """One or more ranks failed (raised an exception, died, or never arrived), or were out of
+    step with rank 0 (in another collective phase: a rank skipped or repeated a call; every
+    rank then raises at once, naming the phases).
 
     ``failures`` maps each failing rank to a one-line description of its error.
     """
