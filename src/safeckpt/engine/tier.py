@@ -539,10 +539,10 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
     rounds = max((len(e[2]) for e in entries), default=0)
     unhealed: list[str] = []  # the same on every rank: the files fetched that a node could not keep
     from_memory = True  # and every such file is held in memory for the load (see held_files)
-    # A node of one rank receives into memory files the load reads; the node keeps them after
-    # the load (the heal), off the restore's critical path (``defer``).
-    # only the files this rank's load reads (a replica it keeps for the others, an extra file:
-    # written as they arrive), so what it holds is at most what it loads; unknown: none
+    # A node of one rank receives the fetched files its load reads into buffers the load reads
+    # from, and writes them to its disk after the load (the heal, ``defer``: off the restore's
+    # critical path); the rest (a replica it keeps for the others, an extra file) is written as
+    # it arrives, so what it holds is at most what it loads. Load unknown (None): none held.
     loads_here = set(needed[0] or ()) if len(members) == 1 else set()
     to_heal: list[tuple[str, Any]] = []  # (name, held_files.Received), verified, not on disk yet
     loaded = False
