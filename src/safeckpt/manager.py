@@ -479,14 +479,21 @@ class CheckpointManager:
         # on every rank, whatever other managers a rank made): two async managers in one process
         # (full state + best model) must not share one, or their threads interleave collectives.
         background = self._coord(f"async:{self.root}", what=f"background save of step {step} to {path}")
-
-        def run() -> CheckpointInfo:
-            info = job.finish(background)
-            self._speculate = job.speculable
-            return info
-
-        self._saver.submit(run, f"step {step}")
+        self._submit_save(job, lambda: job.finish(background), f"step {step}")
         return None
+
+    def _submit_save(self, job: Any, run: Callable[[], Any], label: str) -> None:
+        """``run`` (the rest of ``job``'s save) on the background worker; once all of it went
+        through, the next save may agree speculatively (``SaveJob.agree``; a failure raises
+        before this, and wait() then clears the flag)."""
+        assert self._saver is not None
+
+        def run_then_allow() -> Any:
+            result = run()
+            self._speculate = job.speculable
+            return result
+
+        self._saver.submit(run_then_allow, label)
 
 
     # ----------------------------------------------------------- node-local tier
@@ -546,12 +553,7 @@ class CheckpointManager:
             last["durable"] = True
             return _TierResult(info, done["warnings"])
 
-        def run_then_allow() -> _TierResult:
-            result = run()
-            self._speculate = job.speculable  # every phase went through (a failure raised above)
-            return result
-
-        self._saver.submit(run_then_allow, f"step {step}")
+        self._submit_save(job, run, f"step {step}")
         return None
 
     def _check_placement(self, coord: Coordinator) -> None:
