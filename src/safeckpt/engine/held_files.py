@@ -65,15 +65,18 @@ class Received:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.tensor: torch.Tensor | None = torch.empty(size, dtype=torch.uint8)
-        self._data: torch.Tensor | None = self.tensor
+        self._data: torch.Tensor | None = torch.empty(size, dtype=torch.uint8)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        assert self._data is not None, "closed"
+        return self._data
 
     def view(self) -> memoryview:
-        assert self._data is not None, "closed"
-        return memoryview(self._data.numpy())
+        return memoryview(self.tensor.numpy())
 
     def close(self) -> None:
-        self.tensor = self._data = None
+        self._data = None
 
 
 def receive_buffer(size: int) -> Received | None:

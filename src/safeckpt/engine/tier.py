@@ -591,7 +591,6 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     if i in received:  # loaded from memory, kept on disk after the load
                         held_files.hold(os.path.join(nd.step_dir(step), MANIFEST), raw)
                         held = received.pop(i)
-                        held.tensor = None
                         held_files.hold(nd.file_path(step, f), held)
                         to_heal.append((f, held))
                         got.append(i)
