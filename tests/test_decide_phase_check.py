@@ -40,17 +40,22 @@ def _out_of_step_pair(rank, world):
     return {"first": first, "after": after, "resolved": resolved}
 
 
+def _assert_rank_1_out_of_step(rank, first) -> None:
+    """``first``: what rank ``rank`` got from its call while rank 0 was in phase 'a' and rank 1
+    in 'b' (decide or run): the same RankFailure, naming rank 1 and both phases, at once."""
+    assert not first["ok"], (rank, first)
+    assert "RankFailure" in first["mro"] and "CheckpointError" in first["mro"], first
+    assert "rank 1 is in phase 'b' while rank 0 is in 'a'" in first["msg"], first["msg"]
+    assert "out of step (one rank skipped or repeated a call)" in first["msg"], first["msg"]
+    assert sorted(first["failures"]) == [1], first["failures"]
+    assert first["elapsed"] < QUICK, first
+
+
 def test_rank_in_another_phase_fails_every_rank_at_once():
     out = dist_harness.run(_out_of_step_pair, 2, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
     assert all(o.ok for o in out), [o.message for o in out]
     for rank, o in enumerate(out):
-        first = o.value["first"]
-        assert not first["ok"], (rank, first)
-        assert "RankFailure" in first["mro"] and "CheckpointError" in first["mro"], first
-        assert "rank 1 is in phase 'b' while rank 0 is in 'a'" in first["msg"], first["msg"]
-        assert "out of step (one rank skipped or repeated a call)" in first["msg"], first["msg"]
-        assert sorted(first["failures"]) == [1], first["failures"]
-        assert first["elapsed"] < QUICK, first
+        _assert_rank_1_out_of_step(rank, o.value["first"])
         # a mismatch is not a transport failure: the group stays usable for calls in step
         assert o.value["after"] == {"ok": True, "value": {"values": [0, 10]},
                                     "elapsed": o.value["after"]["elapsed"]}, o.value["after"]
@@ -142,13 +147,7 @@ def test_run_in_another_phase_fails_every_rank_at_once():
     out = dist_harness.run(_run_out_of_step_pair, 2, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
     assert all(o.ok for o in out), [o.message for o in out]
     for rank, o in enumerate(out):
-        first = o.value["first"]
-        assert not first["ok"], (rank, first)
-        assert "RankFailure" in first["mro"] and "CheckpointError" in first["mro"], first
-        assert "rank 1 is in phase 'b' while rank 0 is in 'a'" in first["msg"], first["msg"]
-        assert "out of step (one rank skipped or repeated a call)" in first["msg"], first["msg"]
-        assert sorted(first["failures"]) == [1], first["failures"]
-        assert first["elapsed"] < QUICK, first
+        _assert_rank_1_out_of_step(rank, o.value["first"])
         # a mismatch is not a transport failure: the group stays usable for calls in step
         assert o.value["after"]["ok"] and o.value["after"]["value"] == [0, 10], o.value["after"]
         assert o.value["barrier"]["ok"], o.value["barrier"]

@@ -44,6 +44,7 @@ import random
 import shutil
 import sys
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -266,15 +267,7 @@ class TierKiller(Killer):
                     killer.die()
                 return real(coord, name, local, resolve_then_die, **kwargs)
 
-            def armed(fn: Any) -> Any:
-                def run(*args: Any) -> Any:
-                    killer.armed = True
-                    try:
-                        return fn(*args)
-                    finally:
-                        killer.armed = False
-                return run
-            return real(coord, name, armed(local), armed(resolve), **kwargs)
+            return real(coord, name, killer._armed(local), killer._armed(resolve), **kwargs)
 
         _dist.Coordinator.decide = decide  # type: ignore[method-assign]
 
@@ -359,6 +352,16 @@ class TierKiller(Killer):
 
         os.replace = replace
 
+    def _armed(self, fn: Any) -> Any:
+        """``fn``, run with the kill points of an "inside" point armed."""
+        def run(*args: Any) -> Any:
+            self.armed = True
+            try:
+                return fn(*args)
+            finally:
+                self.armed = False
+        return run
+
     def _arm_heal(self) -> None:
         """Armed during a restore's deferred heal too (``CheckpointManager._heal_later``: a node
         of one rank writes the files it fetched on its background worker after the restore)."""
@@ -368,13 +371,7 @@ class TierKiller(Killer):
         real = _manager.CheckpointManager._heal_later
 
         def heal_later(mgr: Any, heal: Any) -> None:
-            def armed_heal() -> Any:
-                killer.armed = True
-                try:
-                    return heal()
-                finally:
-                    killer.armed = False
-            return real(mgr, armed_heal)
+            return real(mgr, killer._armed(heal))
 
         _manager.CheckpointManager._heal_later = heal_later  # type: ignore[method-assign]
 
@@ -485,8 +482,6 @@ def worker(job: str, rank: int, world: int, port: int, spec: dict[str, Any], roo
         _note(trial_dir, rank, "durable", start + count)
         out["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        import traceback
-
         out.update(t_err=time.time(), type=type(exc).__name__, tb="".join(traceback.format_exception(exc))[-6000:],
                    mro=[c.__name__ for c in type(exc).__mro__], msg=str(exc)[:4000],
                    failures={str(k): v for k, v in (getattr(exc, "failures", None) or {}).items()})
