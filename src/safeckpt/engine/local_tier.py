@@ -53,7 +53,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import socket
 import stat
 import time
@@ -78,7 +77,13 @@ from ..format.manifest import (
 )
 from ..format.tree import escape_key
 from ..storage.base import register_backend
-from ..storage.posix import PosixStorage, digest_file, lstat_beneath, write_bytes_atomic
+from ..storage.posix import (
+    PosixStorage,
+    digest_file,
+    lstat_beneath,
+    rmtree_quiet,
+    write_bytes_atomic,
+)
 from . import held_files
 
 SCHEME = "safeckpt-tier"
@@ -685,7 +690,7 @@ class NodeDir:
             aside = f"{part}.old"
             os.rename(final, aside)
             os.rename(part, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            rmtree_quiet(aside)
         else:
             os.rename(part, final)
 
@@ -697,7 +702,7 @@ class NodeDir:
         for name in names:
             # a save's partial directory, or the (empty) staging place its agreement made
             if name.startswith((".partial-", ".step-")) and (keep_token is None or keep_token not in name):
-                shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
+                rmtree_quiet(os.path.join(self.base, name))
 
     def retain(self, keep: int | None, max_bytes: int | None, protect: set[int]) -> list[int]:
         """Drop the oldest steps beyond ``keep`` and while the run's bytes exceed ``max_bytes``
@@ -710,7 +715,7 @@ class NodeDir:
         doomed = steps[:-keep] if keep is not None and keep > 0 and len(steps) > keep else []
         for s in doomed:
             if s != newest and s not in protect:
-                shutil.rmtree(self.step_dir(s), ignore_errors=True)
+                rmtree_quiet(self.step_dir(s))
                 gone.append(s)
         if max_bytes is not None:
             left = [s for s in steps if s not in gone]
@@ -718,7 +723,7 @@ class NodeDir:
                 s = left.pop(0)
                 if s in protect:
                     continue
-                shutil.rmtree(self.step_dir(s), ignore_errors=True)
+                rmtree_quiet(self.step_dir(s))
                 gone.append(s)
         return gone
 
@@ -751,7 +756,7 @@ def _clear_dir_entry(path: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)
+        rmtree_quiet(path)
 
 
 def dir_bytes(path: str) -> int:

@@ -36,7 +36,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -47,7 +46,7 @@ from ..errors import CheckpointError, CorruptCheckpoint, StorageError
 from ..format.manifest import MANIFEST
 from ..storage import commit as _commit
 from ..storage.base import Storage
-from ..storage.posix import write_bytes_atomic
+from ..storage.posix import rmtree_quiet, write_bytes_atomic
 from . import held_files
 from .load import files_needed, load
 from .local_tier import (
@@ -98,7 +97,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
             marked = nd.quarantined()
             for s in nd.steps():
                 if s > abandon_after and str(s) not in marked:
-                    shutil.rmtree(nd.step_dir(s), ignore_errors=True)
+                    rmtree_quiet(nd.step_dir(s))
         for attempt in (0, 1):
             try:
                 nd.ensure()
@@ -112,7 +111,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
                 if attempt or not no_space(exc) or not older:
                     return {"node": nd.node, "signalled": signalled, "failed": f"{type(exc).__name__}: {exc}"}
                 for s in older:
-                    shutil.rmtree(nd.step_dir(s), ignore_errors=True)
+                    rmtree_quiet(nd.step_dir(s))
                 for name in os.listdir(part) if os.path.isdir(part) else ():  # this rank's leftovers
                     if any(name == f or name.startswith(f"{f}.") for f in job.file_names()):
                         with contextlib.suppress(OSError):
@@ -147,7 +146,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
     hint = f"Step {step} was not committed on the local tier; the previous local steps are intact."
     d = coord.decide("local-write", write, manifest, hint=hint)
     if "skip" in d:
-        shutil.rmtree(part, ignore_errors=True)
+        rmtree_quiet(part)
         return {"step": step, "skipped": True, "preempted": d["preempted"], "warnings": [
             f"step {step} is not on the local tier: a node-local write failed ({'; '.join(d['skip'][:5])}); "
             "training goes on, the previous local steps are intact"]}
@@ -163,7 +162,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         sends, recvs, bad = [], [], []
         if first:  # room for the replicas this node receives (the budget): the oldest steps go
             for s in d["drops"].get(nd.node, []):
-                shutil.rmtree(nd.step_dir(s), ignore_errors=True)
+                rmtree_quiet(nd.step_dir(s))
         if targets.get(me):
             for j, (name, size, xxh) in enumerate(files[me]):
                 path = os.path.join(part, name)
@@ -215,7 +214,7 @@ def save_local(coord: Coordinator, job: Any, nd: NodeDir, step: int, *, replicas
         try:
             nd.publish(step, token, raw, own, sorted(d2["held"].get(nd.node, [])), extras)
         except OSError as exc:  # ENOSPC on the manifest: this node lacks the step, as if it were lost
-            shutil.rmtree(part, ignore_errors=True)
+            rmtree_quiet(part)
             return [f"not published on {nd.node} ({type(exc).__name__}: {exc}); the other nodes' copies "
                     "and replicas hold it"]
         nd.retain(keep_local, max_bytes, protect | {step})
@@ -453,9 +452,8 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         out: dict[str, Any] = {"bad": []}
         if my_rec is not None and my_rec["manifest"] != mhash:
             if pos == 0:  # another save of this step number: useless here, and in the way
-                import shutil
 
-                shutil.rmtree(nd.step_dir(step), ignore_errors=True)
+                rmtree_quiet(nd.step_dir(step))
             return out
         if my_rec is None:
             return out

@@ -41,7 +41,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import tempfile
 import warnings
 import weakref
@@ -60,6 +59,7 @@ from ..errors import (
     SafeckptWarning,
 )
 from ..format.manifest import TRASH_MARK
+from ..storage.posix import rmtree_quiet
 from ._hf import common
 from ._hf import deepspeed as ds
 from ._hf.layout import full_view, gather_full, pretrained_layout
@@ -486,7 +486,7 @@ class SafeckptTrainerMixin(Trainer):
                                  ignore_keys_for_eval=ignore, **kwargs)
         finally:
             if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+                rmtree_quiet(tmp)
             self._safeckpt_resume = None
 
     def _safeckpt_prepare_resume(self, path: str, step: int | None, fallback: bool) -> str:
@@ -737,7 +737,7 @@ class SafeckptTrainerMixin(Trainer):
     def _safeckpt_side_end(self) -> None:
         d, self._safeckpt_side = self._safeckpt_side, None
         if d is not None and common.rank() == 0:
-            shutil.rmtree(os.path.dirname(os.path.dirname(d)), ignore_errors=True)  # the hidden scratch
+            rmtree_quiet(os.path.dirname(os.path.dirname(d)))  # the hidden scratch
 
     def _safeckpt_commit(self, trial: Any) -> None:
         if trial is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from ...coord.dist import distributed_active
 from ...errors import CheckpointError, CorruptCheckpoint, IncompatibleCheckpoint
 from ...rng import RNGState
+from ...storage.posix import rmtree_quiet
 
 TRAINER_DIRNAME = "checkpoint-{step}"     # transformers' PREFIX_CHECKPOINT_DIR + "-N"
 ACCELERATE_DIRNAME = "checkpoint_{step}"  # accelerate's save_state(automatic_checkpoint_naming)
@@ -416,6 +416,6 @@ def export_pretrained(model: Any, out_dir: str, *, timeout: float | None,
             write_extras(out_dir)
             return written
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            rmtree_quiet(tmp)
 
     return share_from_rank0(_export)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 from ...format.tree import escape_key, is_dtensor, unwrap_module
+from ...storage.posix import rmtree_quiet
 
 MAX_SMALL_FILE = 64 << 20  # a file save_pretrained writes beside the weights, taken into the commit
 
@@ -227,7 +227,7 @@ def pretrained_layout(model: Any, entry: str, write: Callable[[str], None], skip
                 with open(p, "rb") as f:
                     small[rel] = f.read()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        rmtree_quiet(tmp)
     files: dict[str, dict[str, str]] = {}
     used: set[str] = set()
     for filename, tensors, metadata in calls:
