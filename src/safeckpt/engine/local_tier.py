@@ -65,6 +65,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpoint, SafeckptWarning
+from ..format.fileindex import MAX_INDEX, parse_index
 from ..format.manifest import (
     MANIFEST,
     open_regular,
@@ -79,12 +80,12 @@ from ..format.tree import escape_key
 from ..storage.base import register_backend
 from ..storage.posix import (
     PosixStorage,
-    digest_file,
     lstat_beneath,
+    open_beneath,
     rmtree_quiet,
     write_bytes_atomic,
 )
-from . import held_files
+from . import held_files, prehashed
 
 SCHEME = "safeckpt-tier"
 TIER_FILE = "tier.json"
@@ -297,8 +298,7 @@ class NodeTierStorage(PosixStorage):
     def open(self, path: str, size: int, ckpt: str, likely: Sequence[tuple[int, int]] = ()) -> Any:
         local = self.local(path)
         data = held_files.held(local)  # a verified copy a restore could not keep on disk
-        return super().open(local, size, self.local(ckpt), likely) if data is None else \
-            held_files.open_held(local, data, size)
+        return prehashed.open_file(local, size) if data is None else held_files.open_held(local, data, size)
 
     def hash(self, path: str, progress: Any = None, spans: Sequence[tuple[int, int]] = ()) -> Any:
         return super().hash(self.local(path), progress, spans)
@@ -626,13 +626,22 @@ class NodeDir:
         rec = {**self.quarantine_entries(), **marks}
         write_bytes_atomic(os.path.join(self.base, QUARANTINE_FILE), json.dumps(rec, sort_keys=True).encode())
 
-    def verified(self, step: int, name: str, expected: str) -> bool:
-        """This node's copy of ``name`` (a name of the validated manifest) is a regular file,
-        reached without a symlink, whose xxh3-128 is ``expected``."""
+    def verified(self, step: int, name: str, rec: Mapping[str, Any]) -> bool:
+        """This node's copy of ``name`` (a name of the validated manifest, ``rec`` its record)
+        is a regular file, reached without a symlink, whose xxh3-128 is ``rec["xxh3_128"]``.
+        Hashed through a mapping, with the chunks its index lists in the same pass; when it
+        verifies, both are kept for this process's load of it (``engine.prehashed``: the load
+        neither hashes nor reads it again). The caller releases them (``prehashed.release``)."""
         try:
-            return digest_file(self.file_path(step, name)).xxh3_128 == expected
+            path = self.file_path(step, name)
+            got, hashed = prehashed.hash_file(path, _index_spans(path, rec))
         except (CheckpointError, OSError):
             return False
+        if got.xxh3_128 != rec.get("xxh3_128"):
+            prehashed.discard(hashed)
+            return False
+        prehashed.remember(path, hashed)
+        return True
 
     def repair_step(self, step: int, manifest: bytes) -> None:
         """Make this node's directory of ``step`` fit to receive fetched files (a restore):
@@ -736,6 +745,29 @@ class NodeDir:
 
     def nbytes(self) -> int:
         return dir_bytes(self.base)
+
+
+def _index_spans(path: str, rec: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """The byte ranges of the chunks the index of the data file ``path`` lists (``rec``: its
+    manifest record, format 3: where its data and index are); [] for a file without one, or
+    whose index is damaged (the file then fails its checksum, or the load finds it)."""
+    index, data, size = rec.get("index"), rec.get("data"), rec.get("size")
+    if not (isinstance(index, list) and len(index) == 3 and type(data) is int and type(size) is int):
+        return []
+    start, end, digest = index
+    if not (type(start) is int and type(end) is int and isinstance(digest, str)
+            and 0 <= start <= end <= size and end - start <= MAX_INDEX):
+        return []
+    fd = open_beneath(path)
+    try:
+        raw = pread_all(fd, end - start, start)
+    finally:
+        os.close(fd)
+    try:
+        chunks = parse_index(raw, path, os.path.dirname(path), digest)["chunks"]
+    except CheckpointError:
+        return []
+    return sorted({(data + c[3], data + c[4]) for c in chunks if c[4] > c[3] and data + c[4] <= size})
 
 
 def _clear_non_dir(path: str) -> None:

@@ -47,7 +47,7 @@ from ..format.manifest import MANIFEST
 from ..storage import commit as _commit
 from ..storage.base import Storage
 from ..storage.posix import rmtree_quiet, write_bytes_atomic
-from . import held_files
+from . import held_files, prehashed
 from .load import files_needed, load
 from .local_tier import (
     NodeDir,
@@ -416,10 +416,20 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 
 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
-                  *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
-                  reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
-                  replicas: int = 1,
-                  defer: Callable[[Callable[[], list[str]]], None] | None = None) -> bool | str:
+                  **kwargs: Any) -> bool | str:
+    """:func:`_restore_local`; the copies its verify kept mapped for the load
+    (``engine.prehashed``) are released on every way out."""
+    try:
+        return _restore_local(coord, nd, plan, step, state, **kwargs)
+    finally:
+        prehashed.release(nd.step_dir(step))
+
+
+def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
+                   *, strict: Any, timeout: float, root_file: Callable[[str], bytes | None] | None,
+                   reasons: list[str], keep_local: int | None = None, max_bytes: int | None = None,
+                   replicas: int = 1,
+                   defer: Callable[[Callable[[], list[str]]], None] | None = None) -> bool | str:
     """Assemble ``step`` on every node and load it. False (on every rank) when some file has
     no valid copy or the load found damage (the reason is appended); True when loaded.
     Healing is best effort: a node that cannot write a fetched file (ENOSPC, ...) warns, and
@@ -466,7 +476,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
             return out
         mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
         listed = step_files(man)
-        out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f]["xxh3_128"])]
+        out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f])]
         if me == man_source:
             out["manifest"] = raw.decode()
         return out
@@ -559,7 +569,7 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
                     src = srcs[k]
                     if src == me:
                         try:
-                            data = read_file(nd.file_path(step, f), expected[f][0])
+                            data = sent_copy(nd.file_path(step, f), expected[f][0])
                         except (OSError, CheckpointError):  # gone meanwhile: zeros, which the receiver rejects
                             data = torch.zeros(expected[f][0], dtype=torch.uint8)
                         sends.append((dest, i, as_tensor(data)))
@@ -675,6 +685,13 @@ def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: i
         for note in heal():
             warn(note)
     return True
+
+
+def sent_copy(path: str, size: int) -> torch.Tensor:
+    """What a restore sends of its node's copy ``path``: the pages its verify mapped (no second
+    read), else the file read now; the receiver checks the bytes either way."""
+    data = prehashed.pages(path, size)
+    return data if data is not None else read_file(path, size)
 
 
 def placement(man: dict[str, Any], nodes: list[str], replicas: int) -> dict[str, set[str]]:
