@@ -1,9 +1,9 @@
-"""A restore's verify keeps each node copy mapped with its chunk checksums for the load
-(``engine.prehashed``): the load neither hashes nor reads those files again, and a file
-replaced or rewritten between the verify and the load is hashed again, never trusted.
+"""A restore's verify keeps each node copy's chunk checksums for the load
+(``engine.prehashed``): the load does not hash those chunks again, and a file replaced or
+rewritten between the verify and the load is hashed again, never trusted.
 
-File level (one process): the digests and reads equal the file's; a replaced or rewritten file
-is not served from what was recorded. Real processes (2 simulated nodes of one rank, gloo): a
+File level (one process): the digests equal the file's; a replaced or rewritten file, or one
+changed while it was hashed, is not served from what was recorded. Real processes (2 simulated nodes of one rank, gloo): a
 restore whose load takes the recorded digests, and one whose node copy is damaged after the
 verify, which then loads the previous step bit-exact instead of the damaged one."""
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_a_file_replaced_after_the_verify_is_hashed_and_read_again(tmp_path):
         assert f.hash_range_local(*SPANS[2], 1 << 20) != got.spans[2]  # hashed again: damage seen
         buf = bytearray(1)
         f.read_into(30_000, memoryview(buf))
-        assert buf[0] == damaged[30_000]  # read from the file opened, not the old mapping
+        assert buf[0] == damaged[30_000]  # read from the file opened
         f.close()
     finally:
         prehashed.release(str(tmp_path))
@@ -87,6 +87,26 @@ def test_a_file_rewritten_in_place_after_the_verify_is_hashed_again(tmp_path):
         f = prehashed.open_file(path, 1 << 20)
         assert f.hash_range_local(*SPANS[2], 1 << 20) != got.spans[2]
         f.close()
+    finally:
+        prehashed.release(str(tmp_path))
+
+
+def test_a_file_changed_while_it_is_hashed_keeps_nothing(tmp_path, monkeypatch):
+    path = _file(tmp_path)
+    plain = prehashed.digest_file
+
+    def changing(p, spans):
+        got = plain(p, spans)
+        other = tmp_path / "other.bin"
+        other.write_bytes(os.urandom(1 << 20))
+        os.replace(other, p)
+        return got
+
+    monkeypatch.setattr(prehashed, "digest_file", changing)
+    _, hashed = prehashed.hash_file(path, SPANS)
+    prehashed.remember(path, hashed)
+    try:
+        assert type(prehashed.open_file(path, 1 << 20)) is not prehashed.PrehashedFile
     finally:
         prehashed.release(str(tmp_path))
 

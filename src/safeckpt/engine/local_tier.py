@@ -629,16 +629,15 @@ class NodeDir:
     def verified(self, step: int, name: str, rec: Mapping[str, Any]) -> bool:
         """This node's copy of ``name`` (a name of the validated manifest, ``rec`` its record)
         is a regular file, reached without a symlink, whose xxh3-128 is ``rec["xxh3_128"]``.
-        Hashed through a mapping, with the chunks its index lists in the same pass; when it
-        verifies, both are kept for this process's load of it (``engine.prehashed``: the load
-        neither hashes nor reads it again). The caller releases them (``prehashed.release``)."""
+        The chunks its index lists are hashed in the same pass and, when it verifies, kept for
+        this process's load of it (``engine.prehashed``: the load does not hash them again).
+        The caller releases them (``prehashed.release``)."""
         try:
             path = self.file_path(step, name)
             got, hashed = prehashed.hash_file(path, _index_spans(path, rec))
         except (CheckpointError, OSError):
             return False
         if got.xxh3_128 != rec.get("xxh3_128"):
-            prehashed.discard(hashed)
             return False
         prehashed.remember(path, hashed)
         return True

@@ -688,10 +688,8 @@ def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: 
 
 
 def sent_copy(path: str, size: int) -> torch.Tensor:
-    """What a restore sends of its node's copy ``path``: the pages its verify mapped (no second
-    read), else the file read now; the receiver checks the bytes either way."""
-    data = prehashed.pages(path, size)
-    return data if data is not None else read_file(path, size)
+    """What a restore sends of its node's copy ``path`` (read now; the receiver checks it)."""
+    return read_file(path, size)
 
 
 def placement(man: dict[str, Any], nodes: list[str], replicas: int) -> dict[str, set[str]]:
