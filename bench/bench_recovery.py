@@ -21,6 +21,9 @@ where it says so; each figure is the median of ``--repeat`` measurements (the lo
   (fsync + POSIX_FADV_DONTNEED) first;
 - ``plain read from local_dir``: reading every file of the restored step from the node's own
   directory (the same bytes the restore loaded; not the node's older local steps);
+- ``peak host memory``: the highest rank's peak resident memory (VmHWM, reset before) above what
+  it held before the local saves (warm-up included), and before each restore (its heal
+  included, the plain read's buffers not);
 - ``train loop``: ``--loop-steps`` steps of an MLP of the same size on each rank (forward,
   backward, SGD) with no checkpoint vs a local save at every step (the 2-core VM shares its
   cores between training and the background save: the overhead shows that competition).
@@ -65,6 +68,28 @@ def _model(params: int):
     return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
 
 
+def _memory(field: str) -> int:
+    """A /proc/self/status figure (VmRSS, VmHWM) in bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _peak_reset() -> int:
+    """Reset this process's peak resident memory (Linux: clear_refs 5); its resident memory now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _memory("VmRSS")
+
+
 def _drop_cache(path: str) -> None:
     for dirpath, _, files in os.walk(path):
         for f in files:
@@ -92,6 +117,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
     root = os.path.join(args.dir, "root")
     res: dict = {}
 
+    def peak_above(base: int) -> float:
+        """The highest rank's peak resident memory since ``base`` was taken (_peak_reset), in MiB."""
+        most = torch.tensor([float(_memory("VmHWM") - base)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return float(most) / 2**20
+
     def timed(fn) -> float:
         dist.barrier()
         t = time.perf_counter()
@@ -113,6 +144,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
                 torch.cuda.synchronize()
 
         res["plain copy"] = median([timed(plain_copy) for _ in range(args.repeat)])
+        del bufs  # the plain copy's buffers are not the tier's
+        base = _peak_reset()
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
         mgr.save(1, state)  # the first save builds the groups and the host buffers: not counted
@@ -123,6 +156,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
             complete.append(timed(mgr.wait))
         res["local save blocked"] = median(blocked)
         res["local save complete"] = median(complete)
+        res["peak host memory of local saves, above the state (MiB)"] = peak_above(base)
         mgr.close()  # drains the newest step to root
         res["bytes"] = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(root) for f in fs
                            if os.path.relpath(dp, root).startswith("step-"))  # the checkpoints, not the lease
@@ -158,7 +192,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
         mgr = safeckpt.CheckpointManager(root, local_dir=local, durable_every=1000, replicas=1,
                                          preemption_signals=())
         got: list = []
-        restores, reads, heals = [], [], []
+        restores, reads, heals, peaks = [], [], [], []
+        base = _peak_reset()
         for i in range(args.repeat):
             if i:  # the last node is lost again (what the restore healed is wiped)
                 if rank == world - 1:
@@ -166,12 +201,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, phase: s
                 dist.barrier()
             restores.append(timed(lambda: got.append(mgr.restore(state))))
             heals.append(timed(mgr.wait))  # the lost node writes what it loaded from memory
+            peaks.append(peak_above(base))  # before the plain read's own buffers
             # the restored step's files only (the node keeps older local steps too)
             files = [os.path.join(dp, f) for dp, _, fs in os.walk(local) for f in fs
                      if f.startswith("rank-") and os.path.basename(dp) == f"step-{got[-1]:010d}"]
             assert files, f"no files of step {got[-1]} under {local}"
             _drop_cache(local) if not args.local.startswith("/dev/shm") else None
             reads.append(timed(lambda files=files: [open(f, "rb").read() for f in files]))
+            base = _peak_reset()
+        res["peak host memory of restores, above the state (MiB)"] = max(peaks)
         res["restore after node loss (local + peers)"] = median(restores)
         res["heal after the restore (background)"] = median(heals)
         # every node holding its copies again (healed): a restart after a crash that lost no node
@@ -252,8 +290,13 @@ def main() -> None:
     print(f"state: {args.params / 1e6:.0f}M float32 parameters ({res['bytes'] / 2**20:.0f} MiB per step), "
           f"{args.nodes} nodes x 1 rank, replicas=1, device {args.device}")
     for k, v in res.items():
-        unit = "x" if "/" in k else " s"
+        unit = " MiB" if "(MiB)" in k else "x" if "/" in k else " s"
         print(f"  {k:45s} {v:.3f}{unit}" if isinstance(v, float) else f"  {k:45s} {v}")
+    share = res["bytes"] / args.nodes / 2**20
+    print(f"  peak host memory above the state: saves {res['peak host memory of local saves, above the state (MiB)']:.0f}"
+          f" MiB, restores {res['peak host memory of restores, above the state (MiB)']:.0f} MiB (a rank's share of "
+          f"the step: {share:.0f} MiB; a save needs three copies of it, {3 * share:.0f} MiB: the staged copy, the file "
+          f"it sends and the one it receives; a lost node's restore what its rank loads, here the whole step)")
     r = res["restore / plain read, median of pairs"]
     print(f"  restore, no node lost / plain read: {res['restore, no node lost (local only)'] / res['plain read from local_dir']:.2f}x")
     print(f"  restore (local + peers) / plain read: {r:.2f}x; local save blocked / plain copy: "
