@@ -93,20 +93,76 @@ def test_a_file_rewritten_in_place_after_the_verify_is_hashed_again(tmp_path):
 
 def test_a_file_changed_while_it_is_hashed_keeps_nothing(tmp_path, monkeypatch):
     path = _file(tmp_path)
-    plain = prehashed.digest_file
+    plain = prehashed.digest_fd
 
-    def changing(p, spans):
-        got = plain(p, spans)
-        other = tmp_path / "other.bin"
-        other.write_bytes(os.urandom(1 << 20))
-        os.replace(other, p)
+    def changing(fd, spans):
+        got = plain(fd, spans)
+        with open(path, "r+b") as f:  # another program writes into the file just hashed
+            f.seek(30_000)
+            f.write(b"\x00\x01")
         return got
 
-    monkeypatch.setattr(prehashed, "digest_file", changing)
+    monkeypatch.setattr(prehashed, "digest_fd", changing)
     _, hashed = prehashed.hash_file(path, SPANS)
     prehashed.remember(path, hashed)
     try:
         assert type(prehashed.open_file(path, 1 << 20)) is not prehashed.PrehashedFile
+    finally:
+        prehashed.release(str(tmp_path))
+
+
+def test_a_rewrite_that_restores_the_modification_time_is_hashed_again(tmp_path):
+    """cp -p / rsync -t onto the copy: same inode, size and modification time; the change time
+    (which no program can set) tells it apart."""
+    path = _file(tmp_path)
+    got, hashed = prehashed.hash_file(path, SPANS)
+    prehashed.remember(path, hashed)
+    try:
+        st = os.stat(path)
+        time.sleep(0.01)
+        with open(path, "r+b") as f:
+            f.seek(30_000)
+            b = f.read(1)
+            f.seek(30_000)
+            f.write(bytes([b[0] ^ 1]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(path).st_ino == st.st_ino and os.stat(path).st_mtime_ns == st.st_mtime_ns
+        f = prehashed.open_file(path, 1 << 20)
+        assert f.hash_range_local(*SPANS[2], 1 << 20) != got.spans[2]
+        f.close()
+    finally:
+        prehashed.release(str(tmp_path))
+
+
+def test_the_digests_are_of_the_file_the_descriptor_read(tmp_path, monkeypatch):
+    """Another program swaps a good copy in by name during the pass and the damaged one back:
+    the pass read the descriptor it opened (the damaged file), so its digest is the damaged
+    file's and nothing of the good copy is credited to it."""
+    path = _file(tmp_path)
+    good = open(path, "rb").read()
+    damaged = bytearray(good)
+    damaged[30_000] ^= 1
+    with open(path, "wb") as f:
+        f.write(damaged)
+    plain = prehashed.digest_fd
+
+    def swapping(fd, spans):
+        aside = tmp_path / "aside.bin"
+        os.replace(path, aside)
+        (tmp_path / "good.bin").write_bytes(good)
+        os.replace(tmp_path / "good.bin", path)
+        got = plain(fd, spans)
+        os.replace(aside, path)  # the damaged one back
+        return got
+
+    monkeypatch.setattr(prehashed, "digest_fd", swapping)
+    got, hashed = prehashed.hash_file(path, SPANS)
+    assert got == digest_file(path, SPANS)  # the damaged file's digest
+    prehashed.remember(path, hashed)
+    try:
+        f = prehashed.open_file(path, 1 << 20)
+        assert f.hash_range_local(*SPANS[2], 1 << 20) == digest_file(path, SPANS).spans[2]
+        f.close()
     finally:
         prehashed.release(str(tmp_path))
 

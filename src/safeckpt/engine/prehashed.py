@@ -12,10 +12,12 @@ truncation becomes SIGBUS in the verify).
 
 What the load still does: it reads the index itself and compares every chunk's recorded
 checksum with a digest of the chunk's bytes; a digest recorded here counts only for exactly
-that byte range of the file that was hashed (same device, inode, size and modification time):
-a copy replaced (every safeckpt write renames a new file in) or rewritten with a new
-modification time is hashed again. Not detected: a rewrite in place that keeps the
-modification time (another program writing through a mapping on tmpfs) between the verify and
+that byte range of the file that was hashed (the descriptor hashed and the one the load opens
+have the same device, inode, size, modification and change time): a copy replaced (every
+safeckpt write renames a new file in, and a tool that restores the old modification time
+still changes the change time) or rewritten is hashed again. Not detected: a write that changes
+neither time (another program writing through a memory mapping on tmpfs; on kernels before
+6.13 a write within the same clock tick as the file's previous change) between the verify and
 the load, the exposure a load has between its own check and copy (docs/limitations.md), over
 the longer window of the restore's plan and fetch. The registry is per process; a restore
 releases what it recorded when its load returns (:func:`release`). Size: one entry per chunk of
@@ -31,9 +33,12 @@ from typing import Any, NamedTuple
 
 from ..format.shardfile import MappedFile
 from ..storage.digest import FileDigest
-from ..storage.posix import digest_file
+from ..storage.posix import digest_fd, open_beneath
 
-Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+# st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns: the change time, which no program can set
+# back (every write, truncation, rename, utime updates it), so a copy replaced by a new file that
+# got the same inode number and the old modification time back (cp -p, rsync -t) is no match.
+Identity = tuple[int, int, int, int, int]
 
 
 class Hashed(NamedTuple):
@@ -46,15 +51,20 @@ _LOCK = threading.Lock()
 
 
 def identity(st: os.stat_result) -> Identity:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def hash_file(path: str, spans: Sequence[tuple[int, int]]) -> tuple[FileDigest, Hashed]:
     """``digest_file(path, spans)`` and what :func:`remember` keeps of it: the spans' digests
-    with the file's identity, the same before and after the pass (else nothing is kept)."""
-    before = identity(os.stat(path, follow_symlinks=False))
-    got = digest_file(path, spans)
-    after = identity(os.stat(path, follow_symlinks=False))
+    with the identity of the file hashed (``fstat`` of the descriptor read, the same before
+    and after the pass; else nothing is kept)."""
+    fd = open_beneath(path)
+    try:
+        before = identity(os.fstat(fd))
+        got = digest_fd(fd, spans)
+        after = identity(os.fstat(fd))
+    finally:
+        os.close(fd)
     digests = {sp: h for sp, h in zip(spans, got.spans, strict=True) if h is not None}
     return got, Hashed(after if after == before else None, digests)
 

@@ -417,7 +417,7 @@ def holders_of(plan: dict[str, Any], step: int) -> tuple[str | None, list[str], 
 
 def restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: int, state: MutableMapping[str, Any],
                   **kwargs: Any) -> bool | str:
-    """:func:`_restore_local`; the copies its verify kept mapped for the load
+    """:func:`_restore_local`; the chunk digests its verify kept for the load
     (``engine.prehashed``) are released on every way out."""
     try:
         return _restore_local(coord, nd, plan, step, state, **kwargs)

@@ -401,15 +401,26 @@ def digest_file(path: str, spans: Sequence[tuple[int, int]] = (), progress: Call
     buffer, so memory stays flat however large the file; never through a symlink in any
     component of its name below the checkpoint directory, never from a FIFO), each piece
     hashed into the file's digest and its spans' while in the CPU cache."""
+    fd = open_beneath(path)
+    try:
+        return digest_fd(fd, spans, progress, block)
+    finally:
+        os.close(fd)
+
+
+def digest_fd(fd: int, spans: Sequence[tuple[int, int]] = (), progress: Callable[[int], None] | None = None,
+              block: int = HASH_BLOCK) -> FileDigest:
+    """:func:`digest_file` of an open descriptor, from the file's first byte to its end (read
+    with ``pread``: the descriptor's offset is not used), for a caller that must know which
+    file it hashed (``fstat`` of the same descriptor)."""
     d = StreamDigest(spans)
-    with os.fdopen(open_beneath(path), "rb", buffering=0) as f:
-        # no bigger than the file: a small file (a framework's JSON) must not cost 8 MiB of new pages
-        buf = bytearray(max(1, min(block, os.fstat(f.fileno()).st_size)))
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            d.update(view[:n])
-            if progress is not None:
-                progress(n)
+    # no bigger than the file: a small file (a framework's JSON) must not cost 8 MiB of new pages
+    buf = bytearray(max(1, min(block, os.fstat(fd).st_size)))
+    view = memoryview(buf)
+    while n := os.preadv(fd, [buf], d.pos):
+        d.update(view[:n])
+        if progress is not None:
+            progress(n)
     return d.result()
 
 
