@@ -158,13 +158,14 @@ def _state(step, rank):
             "mine": safeckpt.PerRank(torch.full((4,), 100.0 * rank + step))}
 
 
-def _job(rank, world, root, nodes_dir, damage):
+def _job(rank, world, root, nodes_dir, damage, node_of):
     import safeckpt
     import safeckpt.engine.tier as tier
     from safeckpt.engine import prehashed as ph
 
-    os.environ["GROUP_RANK"] = str(rank)
-    mk = lambda: safeckpt.CheckpointManager(root, local_dir=os.path.join(nodes_dir, f"node{rank}"),  # noqa: E731
+    node = node_of[rank]
+    os.environ["GROUP_RANK"] = str(node)
+    mk = lambda: safeckpt.CheckpointManager(root, local_dir=os.path.join(nodes_dir, f"node{node}"),  # noqa: E731
                                             durable_every=10, replicas=1, preemption_signals=(), timeout=20)
     mgr = mk()
     for step in (10, 11):  # 10 reaches root, 11 is on the nodes only
@@ -178,7 +179,7 @@ def _job(rank, world, root, nodes_dir, damage):
 
     def counted(path, size):
         f = plain_open(path, size)
-        opened.append(type(f).__name__ + ("+digests" if getattr(f, "_digests", None) else ""))
+        opened.append([os.path.basename(path), type(f).__name__ + ("+digests" if getattr(f, "_digests", None) else "")])
         return f
 
     def load_after_damage(*a, **k):  # between the verify and the load: node 0's own copy damaged
@@ -207,8 +208,9 @@ def _job(rank, world, root, nodes_dir, damage):
     return {"step": got, "exact": exact, "opened": opened, "warnings": [str(w.message)[:600] for w in caught]}
 
 
-def _run(tmp_path, damage):
-    outs = dist_harness.run(_job, 2, str(tmp_path / "root"), str(tmp_path / "nodes"), damage, timeout=180)
+def _run(tmp_path, damage, node_of=(0, 1)):
+    outs = dist_harness.run(_job, len(node_of), str(tmp_path / "root"), str(tmp_path / "nodes"), damage,
+                            list(node_of), timeout=180)
     for o in outs:
         assert o.ok, (o.rank, o.error_type, o.message)
     return [o.value for o in outs]
@@ -217,7 +219,18 @@ def _run(tmp_path, damage):
 def test_a_restore_loads_the_node_copies_through_the_recorded_digests(tmp_path):
     for v in _run(tmp_path, damage=False):
         assert v["step"] == 11 and v["exact"], v
-        assert v["opened"] and all(o == "PrehashedFile+digests" for o in v["opened"]), v["opened"]
+        assert v["opened"] and all(o == "PrehashedFile+digests" for _, o in v["opened"]), v["opened"]
+
+
+def test_on_a_node_of_two_ranks_each_rank_verifies_its_own_file_for_its_load(tmp_path):
+    """Node 0: rank 0; node 1: ranks 1 and 2 (it holds rank 0's file as a replica, which sorts
+    first). A node's files are hashed by its ranks in the verify, each data file by its own rank
+    where that rank is on the node, so each rank's load of its own file takes the digests its
+    verify kept (the others' files it reads are hashed by its load)."""
+    for rank, v in enumerate(_run(tmp_path, damage=False, node_of=(0, 1, 1))):
+        assert v["step"] == 11 and v["exact"], v
+        own = [o for name, o in v["opened"] if name == f"rank-{rank:05d}.safetensors"]
+        assert own and all(o == "PrehashedFile+digests" for o in own), (rank, v["opened"])
 
 
 def test_a_copy_damaged_between_the_verify_and_the_load_is_never_loaded(tmp_path):

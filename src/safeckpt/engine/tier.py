@@ -474,7 +474,8 @@ def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: 
         if file_xxh3(raw) != mhash:
             out["bad"] = list(my_rec["files"])
             return out
-        mine = [f for i, f in enumerate(sorted(my_rec["files"])) if i % len(members) == pos]
+        hasher = verifier_of(my_rec["files"], man, members)
+        mine = [f for f in sorted(my_rec["files"]) if hasher[f] == me]
         listed = step_files(man)
         out["bad"] = [f for f in mine if not nd.verified(step, f, listed[f])]
         if me == man_source:
@@ -685,6 +686,25 @@ def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: 
         for note in heal():
             warn(note)
     return True
+
+
+def verifier_of(names: Any, man: Mapping[str, Any], members: list[int]) -> dict[str, int]:
+    """Which rank of a node hashes each of the node's files of a step in a restore's verify: a
+    data file's own rank where that rank is on this node (a sharded rank's load reads its own
+    file: the chunk digests its verify keeps serve that load, see ``engine.prehashed``), the
+    other files in turn. The same on every rank of the node (same files, same manifest)."""
+    files = man.get("files") if isinstance(man.get("files"), dict) else {}
+    out: dict[str, int] = {}
+    rest = []
+    for f in sorted(names):
+        rank = (files.get(f) or {}).get("rank") if isinstance(files.get(f), dict) else None
+        if type(rank) is int and rank in members:
+            out[f] = rank
+        else:
+            rest.append(f)
+    for i, f in enumerate(rest):
+        out[f] = members[i % len(members)]
+    return out
 
 
 def sent_copy(path: str, size: int) -> torch.Tensor:
