@@ -462,7 +462,6 @@ def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: 
         out: dict[str, Any] = {"bad": []}
         if my_rec is not None and my_rec["manifest"] != mhash:
             if pos == 0:  # another save of this step number: useless here, and in the way
-
                 rmtree_quiet(nd.step_dir(step))
             return out
         if my_rec is None:
