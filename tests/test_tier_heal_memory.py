@@ -32,7 +32,7 @@ def _job(rank, world, root, nodes_dir, plan, kw, per_node):
     opts = dict(durable_every=10, replicas=1, keep_last=None, preemption_signals=(), timeout=20, **kw)
     mgr = safeckpt.CheckpointManager(root, local_dir=os.path.join(nodes_dir, f"node{node}"), **opts)
     plain_write = tier.write_bytes_atomic
-    plain_read = tier.sent_copy
+    plain_read = tier.read_file
     out = []
     for op in plan:
         with warnings.catch_warnings(record=True) as caught:
@@ -93,9 +93,9 @@ def _job(rank, world, root, nodes_dir, plan, kw, per_node):
                             if os.path.basename(path) == _name:
                                 return torch.zeros(size, dtype=torch.uint8)
                             return plain_read(path, size)
-                        tier.sent_copy = zeros
+                        tier.read_file = zeros
                 elif op[0] == "reads-ok":
-                    tier.sent_copy = plain_read
+                    tier.read_file = plain_read
                 elif op[0] == "flip":  # damage every data file of step op[1] on node op[2] (same size)
                     if node == op[2] and rank % per_node == 0:
                         d = os.path.join(mgr._tier.step_dir(op[1]))

@@ -32,7 +32,7 @@ def _file(tmp_path, name="f.bin", size=1 << 20):
 
 def test_digests_and_reads_are_the_files(tmp_path):
     path = _file(tmp_path)
-    got, hashed = prehashed.hash_file(path, SPANS)
+    got, hashed = prehashed.hash_file(path, lambda _fd: SPANS)
     assert got == digest_file(path, SPANS)
     prehashed.remember(path, hashed)
     try:
@@ -53,7 +53,7 @@ def test_digests_and_reads_are_the_files(tmp_path):
 
 def test_a_file_replaced_after_the_verify_is_hashed_and_read_again(tmp_path):
     path = _file(tmp_path)
-    got, hashed = prehashed.hash_file(path, SPANS)
+    got, hashed = prehashed.hash_file(path, lambda _fd: SPANS)
     prehashed.remember(path, hashed)
     try:
         damaged = bytearray(open(path, "rb").read())
@@ -77,7 +77,7 @@ def test_a_file_rewritten_in_place_after_the_verify_is_hashed_again(tmp_path, mt
     change), or set back as cp -p / rsync -t do: same inode, size and modification time, and
     the change time (which no program can set) tells it apart."""
     path = _file(tmp_path)
-    got, hashed = prehashed.hash_file(path, SPANS)
+    got, hashed = prehashed.hash_file(path, lambda _fd: SPANS)
     prehashed.remember(path, hashed)
     try:
         st = os.stat(path)
@@ -108,7 +108,7 @@ def test_a_file_changed_while_it_is_hashed_keeps_nothing(tmp_path, monkeypatch):
         return got
 
     monkeypatch.setattr(prehashed, "digest_fd", changing)
-    _, hashed = prehashed.hash_file(path, SPANS)
+    _, hashed = prehashed.hash_file(path, lambda _fd: SPANS)
     prehashed.remember(path, hashed)
     try:
         assert type(prehashed.open_file(path, 1 << 20)) is not prehashed.PrehashedFile
@@ -138,7 +138,7 @@ def test_the_digests_are_of_the_file_the_descriptor_read(tmp_path, monkeypatch):
         return got
 
     monkeypatch.setattr(prehashed, "digest_fd", swapping)
-    got, hashed = prehashed.hash_file(path, SPANS)
+    got, hashed = prehashed.hash_file(path, lambda _fd: SPANS)
     assert got == digest_file(path, SPANS)  # the damaged file's digest
     prehashed.remember(path, hashed)
     try:

@@ -81,7 +81,6 @@ from ..storage.base import register_backend
 from ..storage.posix import (
     PosixStorage,
     lstat_beneath,
-    open_beneath,
     rmtree_quiet,
     write_bytes_atomic,
 )
@@ -634,7 +633,7 @@ class NodeDir:
         The caller releases them (``prehashed.release``)."""
         try:
             path = self.file_path(step, name)
-            got, hashed = prehashed.hash_file(path, _index_spans(path, rec))
+            got, hashed = prehashed.hash_file(path, lambda fd: _index_spans(fd, path, rec))
         except (CheckpointError, OSError):
             return False
         if got.xxh3_128 != rec.get("xxh3_128"):
@@ -746,10 +745,11 @@ class NodeDir:
         return dir_bytes(self.base)
 
 
-def _index_spans(path: str, rec: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """The byte ranges of the chunks the index of the data file ``path`` lists (``rec``: its
-    manifest record, format 3: where its data and index are); [] for a file without one, or
-    whose index is damaged (the file then fails its checksum, or the load finds it)."""
+def _index_spans(fd: int, path: str, rec: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """The byte ranges of the chunks the index of the data file ``path`` (open as ``fd``)
+    lists (``rec``: its manifest record, format 3: where its data and index are); [] for a
+    file without one, or whose index is damaged (the file then fails its checksum, or the load
+    finds it)."""
     index, data, size = rec.get("index"), rec.get("data"), rec.get("size")
     if not (isinstance(index, list) and len(index) == 3 and type(data) is int and type(size) is int):
         return []
@@ -757,13 +757,8 @@ def _index_spans(path: str, rec: Mapping[str, Any]) -> list[tuple[int, int]]:
     if not (type(start) is int and type(end) is int and isinstance(digest, str)
             and 0 <= start <= end <= size and end - start <= MAX_INDEX):
         return []
-    fd = open_beneath(path)
     try:
-        raw = pread_all(fd, end - start, start)
-    finally:
-        os.close(fd)
-    try:
-        chunks = parse_index(raw, path, os.path.dirname(path), digest)["chunks"]
+        chunks = parse_index(pread_all(fd, end - start, start), path, os.path.dirname(path), digest)["chunks"]
     except CheckpointError:
         return []
     return sorted({(data + c[3], data + c[4]) for c in chunks if c[4] > c[3] and data + c[4] <= size})

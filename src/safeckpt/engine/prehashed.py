@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ..format.shardfile import MappedFile
@@ -54,13 +54,16 @@ def identity(st: os.stat_result) -> Identity:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def hash_file(path: str, spans: Sequence[tuple[int, int]]) -> tuple[FileDigest, Hashed]:
-    """``digest_file(path, spans)`` and what :func:`remember` keeps of it: the spans' digests
-    with the identity of the file hashed (``fstat`` of the descriptor read, the same before
-    and after the pass; else nothing is kept)."""
+def hash_file(path: str, spans_of: Callable[[int], Sequence[tuple[int, int]]]
+              ) -> tuple[FileDigest, Hashed]:
+    """``digest_file(path, spans)`` with ``spans = spans_of(fd)`` (read from the descriptor
+    hashed: the chunks its index lists) and what :func:`remember` keeps of it: the spans'
+    digests with the identity of the file hashed (``fstat`` of that descriptor, the same
+    before and after; else nothing is kept)."""
     fd = open_beneath(path)
     try:
         before = identity(os.fstat(fd))
+        spans = spans_of(fd)
         got = digest_fd(fd, spans)
         after = identity(os.fstat(fd))
     finally:

@@ -569,7 +569,7 @@ def _restore_local(coord: Coordinator, nd: NodeDir, plan: dict[str, Any], step: 
                     src = srcs[k]
                     if src == me:
                         try:
-                            data = sent_copy(nd.file_path(step, f), expected[f][0])
+                            data = read_file(nd.file_path(step, f), expected[f][0])
                         except (OSError, CheckpointError):  # gone meanwhile: zeros, which the receiver rejects
                             data = torch.zeros(expected[f][0], dtype=torch.uint8)
                         sends.append((dest, i, as_tensor(data)))
@@ -696,7 +696,8 @@ def verifier_of(names: Any, man: Mapping[str, Any], members: list[int]) -> dict[
     out: dict[str, int] = {}
     rest = []
     for f in sorted(names):
-        rank = (files.get(f) or {}).get("rank") if isinstance(files.get(f), dict) else None
+        rec = files.get(f)
+        rank = rec.get("rank") if isinstance(rec, dict) else None
         if type(rank) is int and rank in members:
             out[f] = rank
         else:
@@ -704,11 +705,6 @@ def verifier_of(names: Any, man: Mapping[str, Any], members: list[int]) -> dict[
     for i, f in enumerate(rest):
         out[f] = members[i % len(members)]
     return out
-
-
-def sent_copy(path: str, size: int) -> torch.Tensor:
-    """What a restore sends of its node's copy ``path`` (read now; the receiver checks it)."""
-    return read_file(path, size)
 
 
 def placement(man: dict[str, Any], nodes: list[str], replicas: int) -> dict[str, set[str]]:
