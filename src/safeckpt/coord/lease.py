@@ -27,6 +27,7 @@ that it still holds it. On a store without conditional writes this is best effor
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours (see below)
 import json
 import os
 import socket
@@ -151,11 +152,12 @@ class RootLock:
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # A lease whose holder object is garbage collected (a manager or accelerator dropped
-        # without close()) is released: the heartbeat thread holds only a weak reference, and
-        # this finalizer stops it and removes the record if it is still ours.
-        self._finalizer = weakref.finalize(self, _drop_record, self.store, self.path, self.nonce,
-                                           self._stop)
+        # While the lease is held: a holder object garbage collected (a manager or accelerator
+        # dropped without close()) releases it (the heartbeat thread holds only a weak
+        # reference; this finalizer stops it and removes the record if it is still ours). None
+        # while not held: a lease never taken (every rank but the coordinator) or released does
+        # no storage call when it is collected or at exit.
+        self._finalizer: weakref.finalize | None = None
 
     def _record(self) -> bytes:
         return json.dumps({
@@ -266,13 +268,16 @@ class RootLock:
             return
         self.held = False  # lost it (expired and taken over, or broken)
         self._stop_heartbeat()
+        self._disarm()
         self.acquire()
 
     def _start_heartbeat(self) -> None:
         self._stop = threading.Event()
-        self._finalizer.detach()
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _drop_record, self.store, self.path, self.nonce,
-                                           self._stop)
+                                           self._stop, os.getpid())
+        _HELD[self] = os.getpid()
         stop = self._stop
         me = weakref.ref(self)
         period = self.lease / 4
@@ -298,8 +303,17 @@ class RootLock:
             self._thread.join(timeout=30)  # a heartbeat mid-write must not recreate the record
             self._thread = None
 
+    def _disarm(self) -> None:
+        """Not held any more: nothing to release when collected or at exit."""
+        _HELD.pop(self, None)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+
     def release(self) -> None:
         self._stop_heartbeat()
+        if self.held and _HELD.get(self) != os.getpid():  # a forked child's copy: its parent's lease
+            self.held = False
         if self.held:
             try:
                 if self._mine():
@@ -307,17 +321,44 @@ class RootLock:
             except Exception:  # noqa: BLE001 - releasing must not mask the caller's outcome
                 pass
             self.held = False
+        self._disarm()
 
 
-def _drop_record(store: Storage, path: str, nonce: str, stop: threading.Event) -> None:
-    """Finalizer of a collected RootLock: stop its heartbeat, remove the record if ours."""
+def _drop_record(store: Storage, path: str, nonce: str, stop: threading.Event, pid: int) -> None:
+    """Finalizer of a collected RootLock: stop its heartbeat, remove the record if ours (never
+    in a forked child, whose copy of the lease is its parent's)."""
     stop.set()
+    if os.getpid() != pid:
+        return
     try:
         raw = store.read(path, MAX_RECORD)
         if raw is not None and json.loads(raw).get("nonce") == nonce:
             store.delete(path)
     except Exception:  # noqa: BLE001 - best effort, possibly at interpreter exit
         pass
+
+
+# The leases this process holds, with the pid that took each. Released by
+# _release_held_at_exit before the interpreter's shutdown stops new executor work: after that
+# (weakref finalizers run at atexit, later) an object store client cannot open a connection (an
+# S3 call at exit failed after ~11 s of retries, "cannot schedule new futures after shutdown"),
+# so a job ending without close() kept its record and stalled at exit on every rank.
+_HELD: weakref.WeakKeyDictionary[RootLock, int] = weakref.WeakKeyDictionary()
+
+
+def _release_held_at_exit() -> None:
+    for lock, pid in list(_HELD.items()):
+        if pid == os.getpid():
+            lock.release()
+
+
+# threading's exit hooks run in reverse order of registration: this one after every background
+# save's drain (registered later, engine.background), before concurrent.futures' (registered at
+# its import, above), which refuses new executor work from then on.
+try:
+    threading._register_atexit(_release_held_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # no such hook (another Python), or imported at exit
+    pass
 
 
 def writer_lease(root: str, run_id: str | None = None, lease: float = DEFAULT_LEASE,
