@@ -68,7 +68,8 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
     """(manifest bytes, index bytes of every file) of an FSDP2 save of ``n_tensors`` at
     ``world`` ranks, as the save path builds them."""
     mesh = _FakeMesh(world)
-    leaves = {k: Leaf(k, _FakeDTensor(shape, mesh), "sharded") for k, shape in _llama_like(n_tensors)}
+    shapes = _llama_like(n_tensors)
+    leaves = {k: Leaf(k, _FakeDTensor(shape, mesh), "sharded") for k, shape in shapes}
     mesh_rec = {"shape": [world], "start": 0}
     meshes = {id(mesh): MeshInfo(mesh_rec, json.dumps(mesh_rec, sort_keys=True), Mesh(mesh_rec))}
     plan = build_plan(leaves, {}, {}, meshes, set(), 0, world)
@@ -77,7 +78,7 @@ def _synthesized(world: int, n_tensors: int) -> tuple[bytes, dict[str, int]]:
     for r in range(world):  # what each rank's plan writes, and its index
         names, spans, pos = [], [], 0
         records = {}
-        for k, shape in _llama_like(n_tensors):
+        for k, shape in shapes:
             box = writes(k, shape, m, [["S", 0]], r)
             if box is None:
                 continue
