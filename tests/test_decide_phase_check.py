@@ -5,10 +5,15 @@ rank 0 resolved the values of another call. Every rank now sends its phase's nam
 value, and a mismatch fails the phase on every rank (RankFailure naming the ranks and their
 phases) without calling ``resolve``, at once instead of after the timeout.
 
-Real processes (gloo on 127.0.0.1), each run under the harness's hard timeout.
+Real processes (gloo on 127.0.0.1), each run under the harness's hard timeout. The cases that
+leave the group usable run one after another in one job per world size (``world2``,
+``world3``: each case makes its own Coordinator and ends with a call in step, which its test
+checks); the ones that poison the group (run against decide) have a job each.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,8 +56,8 @@ def _assert_rank_1_out_of_step(rank, first) -> None:
     assert first["elapsed"] < QUICK, first
 
 
-def test_rank_in_another_phase_fails_every_rank_at_once():
-    out = dist_harness.run(_out_of_step_pair, 2, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_rank_in_another_phase_fails_every_rank_at_once(world2):
+    out = world2["decide-pair"]
     assert all(o.ok for o in out), [o.message for o in out]
     for rank, o in enumerate(out):
         _assert_rank_1_out_of_step(rank, o.value["first"])
@@ -77,8 +82,8 @@ def _stray_rank(rank, world, stray, big):
 
 
 @pytest.mark.parametrize("stray,big", [(2, False), (1, True)])
-def test_non_coordinator_out_of_step_in_three_ranks(stray, big):
-    out = dist_harness.run(_stray_rank, 3, stray, big, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_non_coordinator_out_of_step_in_three_ranks(world3, stray, big):
+    out = world3[f"decide-stray-{stray}-{big}"]
     assert all(o.ok for o in out), [o.message for o in out]
     for rank, o in enumerate(out):
         got = o.value["got"]
@@ -102,8 +107,8 @@ def _in_step(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_matching_phases_still_decide(world):
-    out = dist_harness.run(_in_step, world, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_matching_phases_still_decide(world2, world3, world):
+    out = (world2 if world == 2 else world3)["decide-in-step"]
     assert all(o.ok for o in out), [o.message for o in out]
     values = list(range(world))
     long_values = [*range(world - 1), "y" * BIG]
@@ -143,8 +148,8 @@ def _run_out_of_step_pair(rank, world):
     return {"first": first, "after": after, "barrier": barrier}
 
 
-def test_run_in_another_phase_fails_every_rank_at_once():
-    out = dist_harness.run(_run_out_of_step_pair, 2, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_run_in_another_phase_fails_every_rank_at_once(world2):
+    out = world2["run-pair"]
     assert all(o.ok for o in out), [o.message for o in out]
     for rank, o in enumerate(out):
         _assert_rank_1_out_of_step(rank, o.value["first"])
@@ -170,9 +175,8 @@ def _run_stray_rank(rank, world, stray, big, fail):
 
 @pytest.mark.parametrize("stray,big,fail", [(2, False, False), (1, True, False), (0, False, False),
                                             (2, False, True)])
-def test_run_out_of_step_in_three_ranks(stray, big, fail):
-    out = dist_harness.run(_run_stray_rank, 3, stray, big, fail, timeout=120,
-                           env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_run_out_of_step_in_three_ranks(world3, stray, big, fail):
+    out = world3[f"run-stray-{stray}-{big}-{fail}"]
     assert all(o.ok for o in out), [o.message for o in out]
     # rank 0's phase is the reference: a stray rank 0 names every other rank
     named = [1, 2] if stray == 0 else [stray]
@@ -204,8 +208,8 @@ def _run_in_step(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_matching_run_phases_still_gather(world):
-    out = dist_harness.run(_run_in_step, world, timeout=120, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+def test_matching_run_phases_still_gather(world2, world3, world):
+    out = (world2 if world == 2 else world3)["run-in-step"]
     assert all(o.ok for o in out), [o.message for o in out]
     last = world - 1
     for o in out:
@@ -219,6 +223,41 @@ def test_matching_run_phases_still_gather(world):
         assert "out of step" not in failed["msg"], failed["msg"]
         assert sorted(failed["failures"]) == [last], failed["failures"]
         assert o.value["barrier"]["ok"], o.value["barrier"]
+
+
+# ------------------------------------------------------------- one job per world size
+
+CASES = {  # name -> (function, extra arguments)
+    "decide-pair": (_out_of_step_pair, ()),
+    "run-pair": (_run_out_of_step_pair, ()),
+    "decide-in-step": (_in_step, ()),
+    "run-in-step": (_run_in_step, ()),
+    **{f"decide-stray-{stray}-{big}": (_stray_rank, (stray, big)) for stray, big in [(2, False), (1, True)]},
+    **{f"run-stray-{stray}-{big}-{fail}": (_run_stray_rank, (stray, big, fail))
+       for stray, big, fail in [(2, False, False), (1, True, False), (0, False, False), (2, False, True)]},
+}
+
+
+def _cases(rank, world, names):
+    return {name: CASES[name][0](rank, world, *CASES[name][1]) for name in names}
+
+
+def _job(world: int, names: list[str]) -> dict[str, list[SimpleNamespace]]:
+    """Every case of ``names`` in one job: per case, each rank's outcome as the harness gives
+    it (ok and value)."""
+    out = dist_harness.run(_cases, world, names, timeout=140, env={"SAFECKPT_TIMEOUT": TIMEOUT})
+    assert all(o.ok for o in out), [o.message for o in out]
+    return {name: [SimpleNamespace(ok=True, value=o.value[name], message="") for o in out] for name in names}
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict[str, list[SimpleNamespace]]:
+    return _job(2, ["decide-pair", "run-pair", "decide-in-step", "run-in-step"])
+
+
+@pytest.fixture(scope="module")
+def world3() -> dict[str, list[SimpleNamespace]]:
+    return _job(3, [name for name in CASES if "stray" in name or "in-step" in name])
 
 
 MIXED_TIMEOUT = 10.0
