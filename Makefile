@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples bench
 	$(MKDOCS)
 	# Two workers, each test file on one of them (module fixtures built once): most of the
-	# suite waits on real processes, timeouts and servers, so 2 workers fit 2 cores (~20 min).
+	# suite waits on real processes, timeouts and servers, so 2 workers fit 2 cores (20-24 min measured on 2-core VMs).
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or API reference.
