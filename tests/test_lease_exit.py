@@ -109,3 +109,62 @@ def test_a_forked_child_ending_never_releases_its_parents_lease(tmp_path):
     assert record is not None, "a forked child's exit removed its parent's lease record"
     assert record["pid"] != 0
     assert lines["PARENT"] == str(record["pid"]), "the record is not the parent's"
+
+
+def _run_script(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=90, env=env, cwd=REPO)
+
+
+def test_a_thread_still_saving_after_the_main_thread_ends_keeps_the_lease(tmp_path):
+    """The exit hook runs before Python joins the non-daemon threads: it waits for them, so a
+    training thread still saving holds the root against another job until it is done."""
+    root = str(tmp_path / "root")
+    p = _run_script(f"""
+        import subprocess, sys, threading, time, torch, safeckpt
+        root = {root!r}
+        started = threading.Event()
+
+        def train():
+            m = safeckpt.CheckpointManager(root, preemption_signals=())
+            m.save(1, {{"x": torch.ones(3)}})
+            started.set()
+            time.sleep(1.0)  # the main thread has ended by now
+            other = subprocess.run([sys.executable, "-c",
+                "import sys, safeckpt.coord.lease as L; L.writer_lease(sys.argv[1], run_id='other').acquire();"
+                "print('OTHER TOOK IT')", root], capture_output=True, text=True)
+            print("OTHER", "took" if "OTHER TOOK IT" in other.stdout else
+                  "locked" if "CheckpointLocked" in other.stderr else other.stderr[-300:], flush=True)
+            m.save(2, {{"x": torch.ones(3) * 2}})
+            print("SAVED 2", flush=True)
+
+        threading.Thread(target=train).start()
+        started.wait()
+        print("MAIN ENDS", flush=True)
+    """)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "OTHER locked" in p.stdout, p.stdout + p.stderr[-2000:]  # before: "OTHER took"
+    assert "SAVED 2" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert not os.path.exists(os.path.join(root, ".safeckpt.lock")), "released at the end all the same"
+
+
+def test_an_async_manager_dropped_without_close_lets_a_second_manager_save(tmp_path):
+    """docs/how-to/accelerate.md: a manager collected without close() releases the root. The
+    background worker kept its last save's closure (and so the manager) for 30 s."""
+    root = str(tmp_path / "root")
+    p = _run_script(f"""
+        import gc, torch, safeckpt
+        root = {root!r}
+        m = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
+        m.save(1, {{"x": torch.ones(3)}})
+        m.wait()
+        del m
+        gc.collect()
+        m2 = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
+        m2.save(2, {{"x": torch.ones(3)}})
+        m2.wait()
+        m2.close()
+        print("SECOND SAVED", flush=True)
+    """)
+    assert p.returncode == 0 and "SECOND SAVED" in p.stdout, p.stderr[-3000:]

@@ -277,7 +277,8 @@ class RootLock:
             self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _drop_record, self.store, self.path, self.nonce,
                                            self._stop, os.getpid())
-        _HELD[self] = os.getpid()
+        with _HELD_LOCK:
+            _HELD[self] = os.getpid()
         stop = self._stop
         me = weakref.ref(self)
         period = self.lease / 4
@@ -305,7 +306,8 @@ class RootLock:
 
     def _disarm(self) -> None:
         """Not held any more: nothing to release when collected or at exit."""
-        _HELD.pop(self, None)
+        with _HELD_LOCK:
+            _HELD.pop(self, None)
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
@@ -344,12 +346,48 @@ def _drop_record(store: Storage, path: str, nonce: str, stop: threading.Event, p
 # S3 call at exit failed after ~11 s of retries, "cannot schedule new futures after shutdown"),
 # so a job ending without close() kept its record and stalled at exit on every rank.
 _HELD: weakref.WeakKeyDictionary[RootLock, int] = weakref.WeakKeyDictionary()
+_HELD_LOCK = threading.Lock()
+
+
+def _held_here() -> list[RootLock]:
+    with _HELD_LOCK:
+        return [lock for lock, pid in list(_HELD.items()) if pid == os.getpid()]
+
+
+def _join_other_threads() -> None:
+    """Join this process's other non-daemon threads, as the interpreter is about to: threading
+    runs its exit hooks before that join, and a training thread still saving under the lease
+    must not see it released (another job could take the root). concurrent.futures' workers
+    are left: they end only after its own exit hook, which runs after ours."""
+    workers = set(getattr(concurrent.futures.thread, "_threads_queues", {}))
+    me = threading.current_thread()
+    while True:
+        others = [t for t in threading.enumerate()
+                  if t is not me and not t.daemon and t not in workers and t.is_alive()]
+        if not others:
+            return
+        for t in others:
+            t.join()
 
 
 def _release_held_at_exit() -> None:
-    for lock, pid in list(_HELD.items()):
-        if pid == os.getpid():
+    """Release this process's held leases at its end (the threading exit hook below). A lease
+    first taken after this ran (by a thread that took none before the main thread ended) is
+    released by its finalizer at atexit, the slow way on an object store."""
+    if not _held_here():
+        return
+    _join_other_threads()
+    release_held_leases()
+
+
+def release_held_leases() -> None:
+    """Release every lease this process holds now (best effort: also before an ``os._exit``,
+    which skips the exit hooks)."""
+    for lock in _held_here():
+        try:
             lock.release()
+        except Exception:  # noqa: BLE001 - one failure must not stop the interpreter's other hooks
+            pass
 
 
 # threading's exit hooks run in reverse order of registration: this one after every background

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..coord.lease import release_held_leases
+
 IDLE_EXIT = 30.0  # seconds a saver's worker thread waits for the next save before it ends
 
 
@@ -93,6 +95,7 @@ class AsyncSaver:
                         return
                 job, self._job = self._job, None
             job()
+            job = None  # the next wait must not keep the save's closure (its manager) alive
 
     def _hook(self) -> None:
         if self._hooked:
@@ -132,4 +135,5 @@ class AsyncSaver:
             )
             sys.stderr.flush()
             sys.stdout.flush()
+            release_held_leases()  # os._exit skips the hook that would (coord.lease)
             os._exit(1)
