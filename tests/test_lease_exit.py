@@ -155,16 +155,17 @@ def test_an_async_manager_dropped_without_close_lets_a_second_manager_save(tmp_p
     root = str(tmp_path / "root")
     p = _run_script(f"""
         import gc, torch, safeckpt
-        root = {root!r}
-        m = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
-        m.save(1, {{"x": torch.ones(3)}})
-        m.wait()
-        del m
-        gc.collect()
-        m2 = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
-        m2.save(2, {{"x": torch.ones(3)}})
-        m2.wait()
-        m2.close()
+        for i in range(8):  # the worker let go of the save just after wait() returned: a race
+            root = {root!r} + str(i)
+            m = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
+            m.save(1, {{"x": torch.ones(3)}})
+            m.wait()
+            del m
+            gc.collect()
+            m2 = safeckpt.CheckpointManager(root, async_save=True, preemption_signals=())
+            m2.save(2, {{"x": torch.ones(3)}})
+            m2.wait()
+            m2.close()
         print("SECOND SAVED", flush=True)
     """)
     assert p.returncode == 0 and "SECOND SAVED" in p.stdout, p.stderr[-3000:]

@@ -54,12 +54,18 @@ class AsyncSaver:
         self._hook()
         done = self._done = threading.Event()
 
+        # The save's closure (its manager) is let go before the save is reported done: a manager
+        # dropped right after wait() is then collected, and releases its lease, at once.
+        todo = [fn]
+        del fn
+
         def target() -> None:
             try:
-                self._result = fn()
+                self._result = todo[0]()
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
             finally:
+                todo.clear()
                 done.set()
 
         if not self._hooked:
@@ -95,7 +101,6 @@ class AsyncSaver:
                         return
                 job, self._job = self._job, None
             job()
-            job = None  # the next wait must not keep the save's closure (its manager) alive
 
     def _hook(self) -> None:
         if self._hooked:
