@@ -39,11 +39,16 @@ _JOB = textwrap.dedent("""
 """)
 
 
+def _run_script(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c code args...`` from the repository root, this checkout's package first."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=90, env=env, cwd=REPO)
+
+
 def _ends(endpoint: str, root: str, how: str) -> float:
     """Seconds from the job's last line to its exit."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, "-c", _JOB, endpoint, root, how], capture_output=True, text=True,
-                       timeout=90, env=env, cwd=REPO)
+    p = _run_script(_JOB, endpoint, root, how)
     ended = time.time()
     assert p.returncode == 0, p.stderr[-3000:]
     said = [line for line in p.stdout.splitlines() if line.startswith("ENDING")]
@@ -90,7 +95,7 @@ def test_a_forked_child_ending_never_releases_its_parents_lease(tmp_path):
     import json
 
     root = tmp_path / "root"
-    code = textwrap.dedent(f"""
+    p = _run_script(f"""
         import json, os, sys
         from tests.test_lease_exit import _fork_and_exit_child
         status, mgr = _fork_and_exit_child({str(root)!r})
@@ -100,8 +105,6 @@ def test_a_forked_child_ending_never_releases_its_parents_lease(tmp_path):
         print("RECORD", json.dumps(json.load(open(lock)) if os.path.exists(lock) else None))
         os._exit(0)  # the parent's own release is not what this test looks at
     """)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if line.split(" ", 1)[0] in ("CHILD", "RECORD", "PARENT"))
     assert lines["CHILD"] == "0", p.stdout
@@ -109,12 +112,6 @@ def test_a_forked_child_ending_never_releases_its_parents_lease(tmp_path):
     assert record is not None, "a forked child's exit removed its parent's lease record"
     assert record["pid"] != 0
     assert lines["PARENT"] == str(record["pid"]), "the record is not the parent's"
-
-
-def _run_script(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=90, env=env, cwd=REPO)
 
 
 def test_a_thread_still_saving_after_the_main_thread_ends_keeps_the_lease(tmp_path):
